@@ -354,3 +354,178 @@ def test_stack_state_helpers_and_shapes():
     assert y.shape == (4, 6, 16) and S2.shape == S.shape
     with pytest.raises(ValueError, match="shared-source"):
         DRAMStack(DRAMConfig(d_q=16, d_k=8, d_v=16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hosts.py: the two integration patterns
+# ---------------------------------------------------------------------------------------------------------------
+import hosts  # noqa: E402
+from hosts import HostConfig, make_host  # noqa: E402
+
+HOST_KINDS = [("dit", "hidden"), ("vla", "native_kv"), ("vla", "hidden"), ("vla", "last_hidden")]
+
+
+def tiny_host(kind, write_source="hidden", memory="dram", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = HostConfig(memory=memory, image_size=32, vocab=("pick it", "place it"), write_source=write_source,
+                     vla_layers=2, chunk=4, d_model=32, head_blocks=2, head_heads=2, mem_heads=2, mem_dk=16,
+                     mem_dv=16, query_slots=3, **kw)
+    return make_host(kind, cfg)
+
+
+def random_window(host, B=2, T=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cams = {c: torch.randint(0, 256, (B * T, 40, 40, 3), generator=g, dtype=torch.uint8) for c in host.cfg.cameras}
+    instr = torch.tensor([0, 1][:B])
+    feats = host.encode(cams, instr.repeat_interleave(T))
+    feats = feats.view(B, T, *feats.shape[1:])  # [B, T, ...]
+    C, Da = host.cfg.chunk, host.cfg.action_dim
+    batch = dict(state_vec=torch.randn(B, T, 8, generator=g), actions=torch.randn(B, T, C, Da, generator=g),
+                 action_mask=torch.ones(B, T, C, dtype=torch.bool), frame_valid=torch.ones(B, T, dtype=torch.bool))
+    batch["action_mask"][0, -1, 2:] = False
+    return feats, instr, batch
+
+
+def perturb(host, seed=1):
+    """Make zero-initialised memory branches live (f_O, prefix gates) so tests see a working memory."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in host.named_parameters():
+            if p.requires_grad and ("memory" in n or "gate" in n or "pre_" in n):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return host
+
+
+@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+def test_host_trains_and_samples(kind, ws):
+    host = tiny_host(kind, ws)
+    feats, instr, b = random_window(host)
+    opt = torch.optim.AdamW(host.trainable_parameters(), lr=3e-3)
+    S = host.init_state(2)
+    before = [p.detach().clone() for p in host.trainable_parameters()]
+    losses = []
+    for _ in range(4):
+        torch.manual_seed(0)  # same tau / noise every step: the loss on this fixed draw must go down
+        loss, n, S_new = host.loss(feats, instr, S, **b)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item() / n)
+    assert n == 6 and all(math.isfinite(l) for l in losses) and losses[-1] < losses[0]
+    assert any(not torch.equal(a, p) for a, p in zip(before, host.trainable_parameters()))
+    ctx, S1 = host.step(feats[:, 0], instr, host.init_state(2))
+    a = host.sample(ctx, b["state_vec"][:, 0], instr)
+    assert a.shape == (2, host.cfg.chunk, host.cfg.action_dim) and torch.isfinite(a).all()
+    if host.memory is not None:
+        assert S1.dtype == torch.float32 and S1.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+def test_host_with_fresh_dram_equals_memoryless_baseline(kind, ws):
+    """Sec. 3.2: zero-initialised residual (and zero-gated prefix) => exactly the baseline's output at init."""
+    mem = tiny_host(kind, ws, memory="dram")
+    base = tiny_host(kind, ws, memory="none")
+    missing = base.load_state_dict(mem.state_dict(), strict=False)
+    assert not missing.missing_keys  # the baseline is the same host minus the memory
+    feats, instr, b = random_window(mem)
+    S = mem.init_state(2)
+    for t in range(3):  # a few frames so the memory state is non-zero
+        ctx_m, S = mem.step(feats[:, t], instr, S)
+        ctx_b, _ = base.step(feats[:, t], instr, base.init_state(2))
+        noise = torch.randn(2, mem.cfg.chunk, mem.cfg.action_dim)
+        a_m = mem.sample(ctx_m, b["state_vec"][:, t], instr, noise=noise)
+        a_b = base.sample(ctx_b, b["state_vec"][:, t], instr, noise=noise)
+        assert torch.equal(a_m, a_b)
+    assert S.abs().sum() > 0
+    perturb(mem)  # and the comparison is not vacuous: a trained memory does change the actions
+    ctx_m, _ = mem.step(feats[:, 2], instr, S)
+    assert not torch.allclose(mem.sample(ctx_m, b["state_vec"][:, 2], instr, noise=noise), a_b)
+
+
+@pytest.mark.parametrize("kind,ws", [("dit", "hidden"), ("vla", "native_kv")])
+def test_frozen_backbone_untouched_by_training(kind, ws):
+    host = tiny_host(kind, ws)
+    host.train()
+    assert not host.tower.training and not host.tower.model.training
+    frozen = {n: p.detach().clone() for n, p in host.tower.named_parameters()}
+    assert frozen and all(not p.requires_grad for p in host.tower.parameters())
+    feats, instr, b = random_window(host)
+    opt = torch.optim.AdamW(host.trainable_parameters(), lr=1e-2, weight_decay=0.1)
+    loss, n, _ = host.loss(feats, instr, host.init_state(2), **b)
+    loss.backward()
+    opt.step()
+    assert all(p.grad is None for p in host.tower.parameters())
+    assert all(torch.equal(frozen[n], p) for n, p in host.tower.named_parameters())
+    assert all(id(p) not in {id(q) for q in host.tower.parameters()} for p in host.trainable_parameters())
+
+
+@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+def test_host_causality(kind, ws):
+    """Frame t's conditioning never depends on later frames, and frame t's readout uses S_{t-1} (not frame t's write)."""
+    host = perturb(tiny_host(kind, ws))
+    feats, instr, b = random_window(host, T=4)
+    S0 = host.init_state(2)
+    ctx, _ = host.context(feats, instr, S0)
+    later = feats.clone()
+    later[:, 2:] = torch.randn_like(later[:, 2:])
+    ctx2, _ = host.context(later, instr, S0)
+    for k in ctx:
+        assert torch.equal(ctx[k][:, :2], ctx2[k][:, :2])
+        assert not torch.equal(ctx[k][:, 2:], ctx2[k][:, 2:])
+    # the action chunk of frame 1 is the same whatever frames 2.. contain
+    noise = torch.randn(2, host.cfg.chunk, host.cfg.action_dim)
+    pick = lambda c, t: {k: v[:, t] for k, v in c.items()}
+    assert torch.equal(host.sample(pick(ctx, 1), b["state_vec"][:, 1], instr, noise),
+                       host.sample(pick(ctx2, 1), b["state_vec"][:, 1], instr, noise))
+    # read-before-write through the whole host: ctx_t = f(frame t, S_{t-1}) where S_{t-1} saw only frames < t
+    _, S_prev = host.context(feats[:, :2], instr, S0)
+    ctx_t, S_t = host.step(feats[:, 2], instr, S_prev)
+    for k in ctx:
+        assert (ctx_t[k] - ctx[k][:, 2]).abs().max() < 1e-5
+    assert (S_t - S_prev).abs().max() > 1e-4
+
+
+def test_memory_prefix_keys_are_not_rotated():
+    """pi0.5 host: the memory prefix slots carry the reserved position -1 and their keys are not rotated, while the
+    expert's own tokens (and the backbone keys) keep their positions; checked against a manual computation."""
+    torch.manual_seed(0)
+    layer = hosts.ExpertLayer(d=16, n_heads=2, memory=True)
+    with torch.no_grad():
+        layer.gate.fill_(0.7)
+    B, n, m, M, d, h = 2, 3, 5, 4, 16, 2
+    x, temb = torch.randn(B, n, d), torch.randn(B, d)
+    kv_l, prefix = torch.randn(B, 2, m, d), torch.randn(B, M, d)
+    out = layer(x, temb, kv_l, prefix)
+    heads = lambda z: z.view(B, z.shape[1], h, d // h).transpose(1, 2)
+    q, k, v = (heads(z) for z in layer.qkv(layer.norm1(x, temb)).chunk(3, -1))
+    pos_own = torch.arange(m, m + n)
+    k_all = torch.cat([hosts.rope(heads(kv_l[:, 0]), torch.arange(m)), hosts.rope(k, pos_own)], 2)
+    v_all = torch.cat([heads(kv_l[:, 1]), v], 2)
+    qr = hosts.rope(q, pos_own)
+
+    def manual(k_pre):
+        att = lambda kk, vv: torch.softmax(qr @ kk.mT / math.sqrt(d // h), -1) @ vv
+        o = att(k_all, v_all) + 0.7 * att(k_pre, heads(layer.pre_v(prefix)))
+        x2 = x + layer.o(o.transpose(1, 2).reshape(B, n, d))
+        return x2 + layer.mlp(layer.norm2(x2))
+
+    k_pre = heads(layer.pre_k(prefix))
+    assert (out - manual(k_pre)).abs().max() < 1e-5  # unrotated prefix keys
+    assert (out - manual(hosts.rope(k_pre, torch.full((M,), -1.0)))).abs().max() > 1e-3  # rotating them differs
+    # rope itself: relative positions only
+    a, bb = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    dot = lambda p, r: (hosts.rope(a, torch.tensor([p])) * hosts.rope(bb, torch.tensor([r]))).sum()
+    assert dot(3.0, 1.0).item() == pytest.approx(dot(10.0, 8.0).item(), abs=1e-5)
+
+
+def test_host_errors_are_clear():
+    host = tiny_host("dit")
+    with pytest.raises(KeyError, match="unknown to this checkpoint.*open the drawer"):
+        host.instr_ids(["pick it", "open the drawer"])
+    assert host.instr_ids(["place it", "pick it"]).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="patch size 14"):
+        make_host("dit", HostConfig(vision="vit_small_patch14_dinov2", image_size=64))
+    with pytest.raises(ValueError, match="write-source"):
+        make_host("vla", HostConfig(write_source="kv"))
+    with pytest.raises(KeyError, match="missing camera"):
+        host.encode({"agentview_rgb": torch.zeros(1, 32, 32, 3, dtype=torch.uint8)})
