@@ -2,8 +2,11 @@
 Closed-loop evaluation: LIBERO simulator rollouts with the openpi / LeRobot protocol (paper Sec. 4.1-4.4) and the
 memory reset-interval ablation of Figure 3.
 
-  python eval.py --suite libero_10 --policy zero --tasks 0 --trials 1 --max-steps 20     # smoke test, no model
-  python eval.py --suite libero_10 --reset-every 32 --num-envs 4                          # Figure 3, L = 32
+  python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --ckpt runs/dit-none-memory/ckpt.pt   # embedded suite
+  python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --reset-every 8                         # reset ablation
+  python eval.py --suite libero_10 --ckpt runs/dit-dram-libero_10/ckpt.pt --replan 5 --num-envs 4
+  python eval.py --suite libero_10 --ckpt CKPT --reset-every 32                              # Figure 3, L = 32
+  python eval.py --suite libero_10 --policy zero --tasks 0 --trials 1 --max-steps 20         # simulator smoke test
 
 Deployment semantics (Sec. 3.4, "Recurrent unrolling"): memory resets at the start of every episode; every new
 observation is one policy.act call = one memory read-write transition (the policy decides itself when its action
@@ -43,6 +46,9 @@ import numpy as np
 # Headless rendering. Must be set before mujoco is first imported (also inherited by the spawn workers).
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import torch  # noqa: E402
+
+import data  # noqa: E402
 from data import policy_frame  # noqa: E402  raw obs -> (upright images, 8-d state), shared with training
 
 # ----------------------------------------------------------------------------------------------------------
@@ -319,12 +325,14 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
             for i in np.flatnonzero(active):
                 frames_video[i].append(obs[i]["agentview_rgb"][::-1, ::-1])  # upright [H, W, 3]
         finished = []
-        for i, (o, done) in slots.step({int(i): actions[i] for i in np.flatnonzero(active)}).items():
+        for i, res in slots.step({int(i): actions[i] for i in np.flatnonzero(active)}).items():
+            # (obs, done): LIBERO, done = success; (obs, success, done): envs that also end on failure
+            o, success, done = (res[0], res[1], res[1]) if len(res) == 2 else res
             obs[i] = o
             frame[i] += 1  # = number of policy steps taken in this episode
             if done or frame[i] >= max_steps[i]:
                 task_id, trial = ep[i]
-                rec = dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(done),
+                rec = dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(success),
                            steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2))
                 records.append(rec)
                 if on_done is not None:
@@ -357,6 +365,117 @@ class RandomPolicy:
 
     def act(self, frames, instructions):
         return self.rng.uniform(-1.0, 1.0, size=(len(frames), 7))  # [n, 7]
+
+
+class CheckpointPolicy:
+    """A train.py checkpoint as a policy (config, normalisation statistics and vocabulary come from it).
+
+    Deployment semantics (Sec. 3.4): every act() call is exactly one memory read-write transition; the action
+    expert denoises a new chunk only every `replan` observations (a memory reset of a row also starts a new chunk
+    for it); the memory persists across chunks. Actions come out un-normalised with the training statistics."""
+
+    def __init__(self, ckpt, device="cpu", replan=1):
+        from train import load_checkpoint  # the checkpoint format lives with the trainer
+
+        self.host, ck = load_checkpoint(ckpt, device)
+        self.stats, self.device = ck["stats"], torch.device(device)
+        cfg = self.host.cfg
+        if not 1 <= replan <= cfg.chunk:
+            raise ValueError(f"--replan {replan} must be in [1, chunk = {cfg.chunk}] for {ckpt}")
+        self.replan, self.name = replan, ckpt
+        self.state = self.chunk = self.age = None
+
+    def reset(self, rows):
+        rows = np.asarray(rows, bool)  # [n]
+        n, cfg = len(rows), self.host.cfg
+        if self.state is None or self.state.shape[0] != n:  # first call: all rows start
+            self.state = self.host.init_state(n, self.device)
+            self.chunk = np.zeros((n, cfg.chunk, cfg.action_dim), np.float32)  # [n, C, Da] current chunks
+            self.age = np.full(n, cfg.chunk, np.int64)  # [n] actions consumed from the current chunk
+        self.state = self.host.reset_state(self.state, torch.as_tensor(rows, device=self.device))
+        self.age[rows] = cfg.chunk  # force a new chunk
+
+    @torch.no_grad()
+    def act(self, frames, instructions):
+        cams = self.host.cfg.cameras
+        images = {c: torch.from_numpy(np.stack([f[0][c] for f in frames])) for c in cams}  # uint8 [n, H, W, 3]
+        state = data.normalize(np.stack([f[1] for f in frames]), self.stats, "state")  # [n, 8]
+        ids = self.host.instr_ids(instructions, self.device)  # unknown instruction -> clear error
+        feats = self.host.encode(images, ids)  # frozen parts
+        ctx, self.state = self.host.step(feats, ids, self.state)  # one read-write transition
+        need = self.age >= self.replan  # [n]
+        if need.any():  # the action expert denoises only when a new chunk is needed
+            s = torch.from_numpy(state).float().to(self.device)
+            a = self.host.sample(ctx, s, ids).cpu().numpy()  # [n, C, Da] normalised
+            self.chunk[need], self.age[need] = a[need], 0
+        out = self.chunk[np.arange(len(frames)), self.age]  # [n, Da]
+        self.age += 1
+        return data.unnormalize(out, self.stats, "action")
+
+
+class MemorySuiteEnv:
+    """data.MemoryEnv behind the env-slot interface; trial k of task i uses layout seed [seed, i, k]."""
+
+    def __init__(self, task_id, seed, img_size=64):
+        self.task_id, self.seed = task_id, seed
+        self.env = data.MemoryEnv(MEMORY_TASK_NAMES[task_id], img_size=img_size)
+        self.instruction, self.max_steps = self.env.instruction, self.env.max_steps
+
+    def reset(self, trial):
+        return self.env.reset(seed=[self.seed, self.task_id, trial])
+
+    def step(self, action):
+        return self.env.step(np.asarray(action, np.float64))  # (obs, success, done)
+
+    def close(self):
+        pass
+
+
+MEMORY_TASK_NAMES = list(data.MEMORY_TASKS)
+
+
+def make_memory_env(task_id, seed, img_size=64):
+    return MemorySuiteEnv(task_id, seed, img_size)
+
+
+def evaluate_memory_suite(ckpts, episodes=50, seed=1000, data_root=data.DEFAULT_DATA_ROOT, device="cpu",
+                          reset_every=0, replan=1, num_envs=16, out=None, tasks=None):
+    """Embedded suite: success per task and suite mean of each checkpoint, side by side with the best success
+    any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds default to 1000+, disjoint from the
+    demonstrations' (0). Returns {ckpt: summary}."""
+    ids = list(range(len(MEMORY_TASK_NAMES))) if tasks is None else list(tasks)
+    task_list = [(i, MEMORY_TASK_NAMES[i], data.MEMORY_TASKS[MEMORY_TASK_NAMES[i]][1]) for i in ids]
+    summaries = {}
+    for ck in ckpts:
+        policy = CheckpointPolicy(ck, device, replan)
+        run = dict(policy=os.path.abspath(ck), seed=seed, reset_every=reset_every, replan=replan)
+        tag = os.path.basename(os.path.dirname(os.path.abspath(ck)))
+        where = out or os.path.join(os.path.dirname(os.path.abspath(ck)), f"eval_memory_L{reset_every}")
+        slots = EnvSlots(functools.partial(make_memory_env, seed=seed), num_envs)
+        t0 = time.time()
+        summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where if len(ckpts) == 1 or out is None
+                                 else os.path.join(where, tag), run, reset_every=reset_every, quiet=True)
+        print(f"evaluated {ck} on the embedded suite: {summaries[ck]['episodes']} episodes in {time.time() - t0:.0f} s")
+    print(memory_table(summaries))
+    return summaries
+
+
+def memory_table(summaries):
+    """One row per embedded task: memoryless ceiling, then the success of each checkpoint."""
+    names = [str(n) for n in summaries]
+    summaries = {str(n): v for n, v in summaries.items()}
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
+    head = "| task | memoryless ceiling % | " + " | ".join(names) + " |"
+    lines = [head, "|---" * (2 + len(names)) + "|"]
+    first = summaries[names[0]]["tasks"]
+    for j, r in enumerate(first):
+        ceil = data.MEMORYLESS_CEILING[r["task"]]
+        lines.append(f"| {r['task']} | {pct(ceil)} | " + " | ".join(pct(summaries[n]["tasks"][j]["success"])
+                                                                    for n in names) + " |")
+    mean_ceil = np.mean([data.MEMORYLESS_CEILING[r["task"]] for r in first])
+    lines.append(f"| **mean** | **{pct(mean_ceil)}** | " + " | ".join(f"**{pct(summaries[n]['mean'])}**"
+                                                                      for n in names) + " |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,7 +546,7 @@ def write_video(path, frames, fps=20):
     imageio.mimwrite(path, [np.ascontiguousarray(f) for f in frames], fps=fps)
 
 
-def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame_fn=None, video=False):
+def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame_fn=None, video=False, quiet=False):
     """Run the missing episodes of `tasks` x range(trials), append them to out/episodes.jsonl, return the summary.
 
     run: the settings that define the experiment (policy, seed, reset_every, ...); stored in every record and
@@ -452,8 +571,9 @@ def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame
         with open(log_path, "a") as f:  # one line per episode, flushed at once: a crash loses at most this one
             f.write(json.dumps(rec) + "\n")
         logged.append(rec)
-        print(f"{suite} task {rec['task_id']} trial {rec['trial']}: {'success' if rec['success'] else 'failure'} "
-              f"after {rec['steps']} steps ({rec['wall_s']:.0f} s)")
+        if not quiet:
+            print(f"{suite} task {rec['task_id']} trial {rec['trial']}: {'success' if rec['success'] else 'failure'} "
+                  f"after {rec['steps']} steps ({rec['wall_s']:.0f} s)")
 
     run_episodes(slots, policy, todo, reset_every=reset_every, frame_fn=frame_fn, on_done=on_done, video=video)
     return summarize([r for r in logged if r["suite"] == suite], tasks)
@@ -466,7 +586,8 @@ def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--suite", nargs="+", default=["libero_10"], help=f"LIBERO suites: {sorted(LIBERO_MAX_STEPS)}")
+    p.add_argument("--suite", nargs="+", default=["memory"], help=f"'memory' (the embedded suite) or LIBERO suites: "
+                   f"{sorted(LIBERO_MAX_STEPS)}")
     p.add_argument("--tasks", type=int, nargs="+", default=None, help="task ids to run (default: all)")
     p.add_argument("--trials", type=int, default=50, help="episodes per task; trial k uses fixed init state k")
     p.add_argument("--max-steps", type=int, default=0, help="policy steps per episode (0: the suite's protocol "
@@ -476,7 +597,12 @@ def get_args(argv=None):
                    "(Figure 3; 0 = only between episodes)")
     p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (>1: worker processes)")
     p.add_argument("--image-size", type=int, default=128, help="render size; must match the training frames")
-    p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy")
+    p.add_argument("--ckpt", action="append", default=None, help="train.py checkpoint (give it twice to compare "
+                   "two policies side by side, e.g. DRAM and its --memory none baseline)")
+    p.add_argument("--replan", type=int, default=1, help="observations per action chunk: the action expert "
+                   "denoises a new chunk every --replan steps (memory advances every step)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy without --ckpt")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<suites>_<policy>_L<reset>)")
     p.add_argument("--video", action="store_true", help="write an mp4 per episode (needs imageio)")
     args = p.parse_args(argv)
@@ -495,14 +621,26 @@ def get_args(argv=None):
 
 def main(argv=None):
     args = get_args(argv)
-    policy = ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)
-    out = args.out or os.path.join("runs", "eval", f"{'+'.join(args.suite)}_{args.policy}_L{args.reset_every}")
+    if args.suite == ["memory"]:  # the embedded memory suite (data.py), checkpoints only
+        if not args.ckpt:
+            raise SystemExit("--suite memory needs --ckpt (train one with `python train.py`)")
+        return evaluate_memory_suite(args.ckpt, episodes=args.trials, seed=args.seed, device=args.device,
+                                     reset_every=args.reset_every, replan=args.replan, num_envs=max(args.num_envs, 16),
+                                     out=args.out, tasks=args.tasks)
+    if args.ckpt and len(args.ckpt) > 1:
+        raise SystemExit("LIBERO: give one --ckpt per run (compare the results.md tables of two runs)")
+    if args.ckpt:
+        policy, name = CheckpointPolicy(args.ckpt[0], args.device, args.replan), os.path.abspath(args.ckpt[0])
+    else:
+        policy, name = (ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)), args.policy
+    tag = os.path.basename(os.path.dirname(name)) if args.ckpt else args.policy
+    out = args.out or os.path.join("runs", "eval", f"{'+'.join(args.suite)}_{tag}_L{args.reset_every}")
     summaries = {}
     for suite in args.suite:
         tasks = libero_tasks(suite, args.tasks)
         max_steps = args.max_steps or LIBERO_MAX_STEPS[suite]
-        run = dict(policy=args.policy, seed=args.seed, reset_every=args.reset_every, image_size=args.image_size,
-                   max_steps=max_steps)
+        run = dict(policy=name, seed=args.seed, reset_every=args.reset_every, image_size=args.image_size,
+                   max_steps=max_steps, replan=args.replan)
         make_env = functools.partial(make_libero_env, suite=suite, seed=args.seed, image_size=args.image_size,
                                      max_steps=max_steps)
         slots = EnvSlots(make_env, args.num_envs, processes=args.num_envs > 1)

@@ -473,7 +473,7 @@ class VLAHost(Host):
 
     @torch.no_grad()
     def encode(self, images, instr):
-        """-> per-layer features [B, L, 3, n, D]: native key, native value (the qkv projection's outputs, pre-RoPE)
+        """-> per-layer features [B, L * 3 * n, D] (viewed as [B, L, 3, n, D]): native key, native value (the qkv projection's outputs, pre-RoPE)
         and the hidden output of each backbone layer; n = 1 + n_cam P ([instruction | patches])."""
         vit = self.tower.model
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
@@ -488,7 +488,7 @@ class VLAHost(Host):
             hook.remove()
             _, k, v = qkv[0].chunk(3, -1)  # [B, n, D] each, all heads concatenated (timm's qkv layout)
             feats.append(torch.stack([k, v, h], 1))  # [B, 3, n, D]
-        return torch.stack(feats, 1)  # [B, L, 3, n, D]
+        return torch.stack(feats, 1).flatten(1, 3)  # [B, L 3 n, D]: flat like the DiT tokens, for the cache
 
     def init_state(self, batch_size, device=None):
         if self.memory is None:
@@ -496,9 +496,11 @@ class VLAHost(Host):
         return torch.stack([m.init_state(batch_size, device) for m in self.memory], 1)  # [B, L_mem, H, dk, dv]
 
     def context(self, feats, instr, state, frame_valid=None):
-        """feats [B, T, L, 3, n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
+        """feats [B, T, L 3 n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
         Only the query slots evolve across memory layers; the host's own tokens are untouched."""
-        B, T = feats.shape[:2]
+        B, T, LN, D = feats.shape
+        L = self.cfg.vla_layers
+        feats = feats.view(B, T, L, 3, LN // (3 * L), D)  # [B, T, L, 3, n, D]: (native k, native v, hidden)
         ctx = {"kv": feats[:, :, :, :2]}
         if self.memory is None:
             return ctx, state

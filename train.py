@@ -1,0 +1,324 @@
+"""
+Post-train DRAM on a frozen host policy with truncated BPTT and flow matching (paper Sec. 3.4).
+
+  python train.py                                          # DiT host + DRAM on the embedded memory suite (CPU, minutes)
+  python train.py --memory none                            # the matched memoryless baseline
+  python train.py --host dit --suite libero_10 --data DIR  # LIBERO (official HDF5 demos, see README)
+  python train.py --host vla --write-source native_kv      # pi0.5-style host, separate-source memory
+  torchrun --nproc_per_node 2 train.py ...                 # DDP: each rank its own streams
+
+What trains: the memory, the adapters and the action head; the vision tower / backbone stay frozen, so every frame
+is encoded once into the feature cache (data.py) and training reads tokens, not images.
+Recurrent unrolling: B streams walk whole episodes in windows of T frames; the memory state is carried from one
+window to the next of the same stream, detached at the window boundary, and zeroed when a stream starts a new
+episode. Gradients run through the whole window: reads, gates, joint solve.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import data
+from hosts import HostConfig, make_host
+
+# defaults tuned for the embedded memory suite on 2 CPU cores (python train.py, a few minutes)
+DEFAULTS = dict(steps=1500, batch=16, window=16, chunk=4, lr=1e-3)
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="Truncated-BPTT training of DRAM on a frozen host policy")
+    p.add_argument("--host", default="dit", choices=["dit", "vla"])
+    p.add_argument("--memory", default="dram", choices=["dram", "none"])
+    p.add_argument("--write-source", default="hidden", choices=["native_kv", "hidden", "last_hidden"])
+    p.add_argument("--suite", default="memory", choices=list(data.SUITES))
+    p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5")
+    p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR)
+    p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
+    p.add_argument("--vision", default=None, help="timm model of the frozen tower (default: vit_tiny_patch16_224, "
+                   "vit_small_patch16_224.dino for LIBERO)")
+    p.add_argument("--image-size", type=int, default=None, help="tower input size (default 64 memory / 128 LIBERO)")
+    p.add_argument("--pretrained", action="store_true", help="load the tower's pretrained timm weights")
+    p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained)")
+    p.add_argument("--window", type=int, default=None, help="TBPTT window T (frames)")
+    p.add_argument("--chunk", type=int, default=None, help="action chunk length C")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None, help="parallel streams B (per rank)")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--episodes", type=int, default=50, help="embedded suite: demos per task (generated once)")
+    p.add_argument("--mem-depth", type=int, default=2)
+    p.add_argument("--mem-heads", type=int, default=4)
+    p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
+    p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
+    p.add_argument("--head-blocks", type=int, default=4, help="DiT blocks (alternating cross / self attention)")
+    p.add_argument("--vla-layers", type=int, default=4, help="backbone layers used by the vla host")
+    p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
+    p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
+    p.add_argument("--out", default=None, help="run directory (default runs/<host>-<memory>-<suite>)")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt")
+    p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
+    p.add_argument("--eval-episodes", type=int, default=20, help="embedded suite: episodes per task evaluated at "
+                   "the end (0 = skip)")
+    a = p.parse_args(argv)
+    for k, v in DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    lib = a.suite != data.MEMORY_SUITE
+    a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
+    a.image_size = a.image_size or (128 if lib else 64)
+    a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
+    return a
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: trainable weights + everything needed to rebuild the policy and to resume exactly
+# ----------------------------------------------------------------------------------------------------------
+
+
+def trainable_state(host):
+    keep = {n for n, p in host.named_parameters() if p.requires_grad}
+    return {k: v for k, v in host.state_dict().items() if k in keep}
+
+
+def save_checkpoint(path, obj):
+    """Atomic: write a temporary file, then rename, so an interruption never leaves a corrupt checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, device="cpu", expect=None):
+    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
+    ck = torch.load(path, map_location=device, weights_only=False)
+    for k in ("config", "model", "stats"):
+        if k not in ck:
+            raise ValueError(f"{path} is not a train.py checkpoint (no '{k}')")
+    cfg = HostConfig(**ck["config"])
+    for k, v in (expect or {}).items():
+        if getattr(cfg, k) != v:
+            raise ValueError(f"checkpoint {path} was trained with {k}={getattr(cfg, k)!r}, but {k}={v!r} was requested")
+    host = make_host(cfg.host, cfg).to(device)
+    if host.tower.fingerprint() != ck.get("tower_fingerprint"):
+        raise ValueError(f"{path}: the frozen tower built here differs from the one it was trained with "
+                         f"({cfg.vision}; check --pretrained / --weights-file and the timm version)")
+    missing, unexpected = host.load_state_dict(ck["model"], strict=False)
+    missing = [k for k in missing if k in {n for n, p in host.named_parameters() if p.requires_grad}]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the host: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    host.eval()
+    return host, ck
+
+
+def lr_at(step, a):
+    """Linear warm-up, then cosine decay to 10%."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    prog = (step - a.warmup) / max(1, a.steps - a.warmup)
+    return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data -> host
+# ----------------------------------------------------------------------------------------------------------
+
+
+def scan(files):
+    """Instruction vocabulary and dims from the demo files (no pixels read)."""
+    vocab, Da = set(), None
+    for f in files:
+        instr, demos = data.iter_demo_file(f, images=False)
+        first = next(iter(demos))
+        vocab.add(instr)
+        Da = Da or first.actions.shape[1]
+    return sorted(vocab), Da
+
+
+def build_episodes(host, files, a, rank=0):
+    """Frozen features for every frame (cached on disk, keyed by tower, image size and tower weights)."""
+    key = data.cache_key_for(host.cfg.vision, host.cfg.image_size, host=host.cfg.host, tower=host.tower.fingerprint())
+    eps = []
+    for f in files:  # one call per file: the vla backbone also sees that file's (frozen) instruction token
+        instr, _ = data.iter_demo_file(f, images=False)
+        ids = host.instr_ids([instr])
+
+        def encode(images, ids=ids):
+            n = next(iter(images.values())).shape[0]
+            return host.encode(images, ids.expand(n))
+
+        eps += data.build_feature_cache([f], encode, key, a.cache_dir, use_cache=not a.no_cache, progress=rank == 0)
+    return eps
+
+
+def setup_distributed(a):
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if world > 1:
+        if a.device == "cpu":  # ranks share the cores: oversubscribed OpenMP threads spin and crawl
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+        if a.device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local)
+            a.device = f"cuda:{local}"
+    return rank, world
+
+
+def main(argv=None):
+    a = get_args(argv)
+    rank, world = setup_distributed(a)
+    torch.manual_seed(a.seed)
+    np.random.seed(a.seed)
+    dev = torch.device(a.device)
+    out = Path(a.out)
+    ckpt_path = out / "ckpt.pt"
+
+    files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
+    if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
+        dist.barrier()
+        files = data.find_demo_files(a.data, a.suite, generate=False)
+    vocab, Da = scan(files)
+    cfg = HostConfig(memory=a.memory, vision=a.vision, pretrained=a.pretrained, weights_file=a.weights_file,
+                     image_size=a.image_size, action_dim=Da, chunk=a.chunk, vocab=tuple(vocab),
+                     write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer, mem_heads=a.mem_heads,
+                     mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model, head_blocks=a.head_blocks,
+                     vla_layers=a.vla_layers, flow_steps=a.flow_steps)
+    ck = None
+    if a.resume:
+        if not ckpt_path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        saved = ck["config"]
+        for k in ("host", "memory", "write_source", "vision", "image_size", "chunk", "vocab"):
+            want = a.host if k == "host" else getattr(cfg, k)
+            have = tuple(saved[k]) if k == "vocab" else saved[k]
+            if have != want:
+                raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run asks for {want!r}")
+    host = make_host(a.host, cfg).to(dev)
+
+    if rank == 0 and world > 1:
+        build_episodes(host, files, a, rank)  # fill the cache once
+    if world > 1:
+        dist.barrier()
+    episodes = build_episodes(host, files, a, rank)
+    fd = data.FrameData(episodes, stats=None if ck is None else ck["stats"], vocab=vocab)
+    mine = np.arange(len(fd))[rank::world]  # each rank its own episodes and streams
+    sampler = data.StreamSampler(fd.lengths[mine], a.batch, a.window, a.chunk, seed=a.seed)
+
+    params = host.trainable_parameters()
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
+    mem_state = host.init_state(a.batch, dev)
+    step = 0
+    if ck is not None:
+        host.load_state_dict(ck["model"], strict=False)
+        opt.load_state_dict(ck["optimizer"])
+        sampler.load_state_dict(ck["sampler"][rank])
+        mem_state = ck["mem_state"][rank].to(dev)
+        torch.set_rng_state(ck["rng"][rank]["torch"])
+        if dev.type == "cuda" and ck["rng"][rank].get("cuda") is not None:
+            torch.cuda.set_rng_state(ck["rng"][rank]["cuda"])
+        step = ck["step"]
+        if rank == 0:
+            print(f"resumed from {ckpt_path} at step {step}")
+
+    def checkpoint():
+        """Every rank contributes its sampler position, memory state and RNG; rank 0 writes."""
+        mine_state = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(),
+                          rng=dict(torch=torch.get_rng_state(),
+                                   cuda=torch.cuda.get_rng_state() if dev.type == "cuda" else None))
+        gathered = [None] * world
+        if world > 1:
+            dist.all_gather_object(gathered, mine_state)
+        else:
+            gathered = [mine_state]
+        if rank == 0:
+            save_checkpoint(ckpt_path, dict(
+                model=trainable_state(host), config=dataclasses.asdict(cfg), stats=fd.stats, vocab=vocab,
+                optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
+                mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
+                tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world))
+
+    use_bf16 = dev.type == "cuda"  # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
+    host.train()
+    bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
+    t0, frames, losses = time.time(), 0, []
+    stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
+    while step < stop:
+        batch = fd.batch(sampler.next_window(), device=dev)
+        # TBPTT: carry the state of each stream, detached at the window boundary; zero it where an episode starts
+        mem_state = host.reset_state(mem_state.detach(), batch["reset"])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+            loss_sum, n, mem_state = host.loss(batch["tokens"], batch["instr"], mem_state, batch["state"],
+                                               batch["actions"], batch["action_mask"], batch["frame_valid"])
+        n_all = torch.tensor(float(n), device=dev)
+        if world > 1:
+            dist.all_reduce(n_all)  # valid-frame losses are averaged over all ranks' frames
+        loss = loss_sum / n_all.clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if world > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)  # sum of per-rank sums / total frames = mean over all valid frames
+        torch.nn.utils.clip_grad_norm_(params, a.clip)
+        opt.step()
+        step += 1
+        frames += n
+        lv = loss.item() * world if world > 1 else loss.item()  # this rank's share, rescaled for display
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"loss is {lv} at step {step}; lower --lr or check the data")
+        losses.append(lv)
+        bar.update(1)
+        if step % 10 == 0 or step == stop:
+            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", lr=f"{lr_at(step, a):.2e}",
+                            fps=f"{frames * world / (time.time() - t0):.0f}")
+        if step % a.save_every == 0 or step == stop:
+            checkpoint()
+    bar.close()
+    if rank == 0:
+        (out / "log.json").write_text(json.dumps(dict(losses=losses, args=vars(a)), indent=1))
+        print(f"checkpoint: {ckpt_path}  (step {step}, loss {np.mean(losses[-50:]) if losses else float('nan'):.4f})")
+    if world > 1:  # the all-reduced gradients must keep every rank's weights identical
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        ref = flat.clone()
+        dist.broadcast(ref, 0)
+        diff = torch.tensor(float((flat - ref).abs().max()), device=dev)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        if diff.item() != 0.0:
+            raise RuntimeError(f"DDP ranks diverged: max weight difference {diff.item()}")
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0 and step >= a.steps and a.suite == data.MEMORY_SUITE and a.eval_episodes > 0:
+        import eval as evaluation  # the quick embedded-suite pass, so the first command shows whether memory works
+
+        evaluation.evaluate_memory_suite([str(ckpt_path)], episodes=a.eval_episodes, seed=a.seed + 1000,
+                                         data_root=a.data, device=a.device)
+    return str(ckpt_path)
+
+
+if __name__ == "__main__":
+    main()
