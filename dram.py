@@ -163,16 +163,12 @@ class _JointWriteWindow(torch.autograd.Function):
             carry = gamma[:, t, None, None] * lam  # dL/dS_{t-1} = gamma_t Lambda_t
         lam = torch.stack(lams, 1)  # [P, T, dk, dv]
         S_prev = torch.cat([S0[:, None], states[:, :-1]], 1)  # [P, T, dk, dv]
-        # eq. (app-grads), batched over all frames at once, with K S never formed: substituting
-        # (V - K S) Lambda^T - K Lambda S^T = V Lambda^T - K C,  C = S Lambda^T + Lambda S^T [dk, dk] symmetric,
-        # costs 3 products with N rows (K Lambda, K C, V Lambda^T) instead of 4; k_i C k_i^T = 2 (K Lambda)_i (K S)_i^T.
+        # eq. (app-grads), batched over all frames at once:
         KL = K @ lam  # [P, T, N, dv]  (K Lambda)_i: what token i retrieves from the update
-        C = states @ lam.mT  # [P, T, dk, dk]  S Lambda^T
-        C = C + C.mT  # S Lambda^T + Lambda S^T
-        KC = K @ C  # [P, T, N, dk]
+        res = V - K @ states  # [P, T, N, dv]  (V - K S)_i: token i's residual at the solution
         g_V = w[..., None] * KL  # W K Lambda
-        g_w = (KL * V).sum(-1) - 0.5 * (KC * K).sum(-1)  # (K Lambda)_i (V - K S)_i^T
-        g_K = w[..., None] * (V @ lam.mT - KC)  # W (V - K S) Lambda^T - W K Lambda S^T
+        g_w = (KL * res).sum(-1)  # (K Lambda)_i (V - K S)_i^T
+        g_K = w[..., None] * (res @ lam.mT - KL @ states.mT)  # W (V - K S) Lambda^T - W K Lambda S^T
         g_gamma = (lam * S_prev).sum((-2, -1))  # <Lambda, S_{t-1}>
         return carry, g_K, g_V, g_w, g_gamma, None
 

@@ -4,8 +4,17 @@ independent computation; float64 wherever the paper claims exactness.
 
 Run: python -m pytest -q
 """
+import functools
+import io
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import h5py
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +22,11 @@ import torch.nn.functional as F
 import dram
 from dram import DRAMConfig, DRAMLayer, DRAMStack, joint_write, joint_write_window, read, sequential_delta_write
 from dram import write_weights
+import data
+import eval as ev
+import hosts
+import train
+from hosts import HostConfig, make_host
 
 f64 = torch.float64
 
@@ -359,8 +373,6 @@ def test_stack_state_helpers_and_shapes():
 # ---------------------------------------------------------------------------------------------------------------
 # hosts.py: the two integration patterns
 # ---------------------------------------------------------------------------------------------------------------
-import hosts  # noqa: E402
-from hosts import HostConfig, make_host  # noqa: E402
 
 HOST_KINDS = [("dit", "hidden"), ("vla", "native_kv"), ("vla", "hidden"), ("vla", "last_hidden")]
 
@@ -532,19 +544,683 @@ def test_host_errors_are_clear():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# data.py: LIBERO HDF5 schema, validation errors, statistics, feature cache, TBPTT sampler, embedded suite
+# ---------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- helpers: LIBERO-schema files written by hand
+
+def make_demo(rng, T, H=8, W=10):
+    return {"agentview_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
+            "eye_in_hand_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
+            "ee_states": rng.normal(size=(T, 6)), "gripper_states": rng.normal(size=(T, 2)),
+            "joint_states": rng.normal(size=(T, 7)), "actions": rng.uniform(-1, 1, (T, 7))}
+
+
+def write_libero(path, demos, instruction="pick up the bowl", problem_info=True, names=None):
+    """Independent writer following upstream LIBERO create_dataset.py (not data.write_demo_file)."""
+    with h5py.File(path, "w") as f:
+        g = f.create_group("data")
+        if problem_info:
+            g.attrs["problem_info"] = json.dumps({"problem_name": "x", "language_instruction": instruction})
+        g.attrs["macros_image_convention"] = "opengl"
+        for i, d in enumerate(demos):
+            dg = g.create_group((names or [f"demo_{j}" for j in range(len(demos))])[i])
+            for k, v in d.items():
+                dg.create_dataset(k if k == "actions" else f"obs/{k}", data=v)
+            T = len(d["actions"])
+            dg.create_dataset("rewards", data=np.eye(T, dtype=np.uint8)[-1])
+            dg.create_dataset("dones", data=np.eye(T, dtype=np.uint8)[-1])
+    return path
+
+
+# ---------------------------------------------------------------- reading
+
+def test_read_libero_schema(tmp_path):
+    rng = np.random.default_rng(0)
+    demos = [make_demo(rng, T) for T in (5, 7, 3)]
+    # numeric demo order: demo_2 < demo_10 (lexicographic order would swap them)
+    p = write_libero(tmp_path / "t_demo.hdf5", demos, names=["demo_10", "demo_2", "demo_0"])
+    instr, got = data.read_demo_file(p)
+    assert instr == "pick up the bowl"
+    assert [d.name for d in got] == ["demo_0", "demo_2", "demo_10"]
+    for d, src in zip(got, [demos[2], demos[1], demos[0]]):
+        for c in data.CAMERAS:
+            assert np.array_equal(d.images[c], np.rot90(src[c], 2, axes=(1, 2)))  # upright = 180 deg rotation
+            assert d.images[c][0, 0, 0, 0] == src[c][0, -1, -1, 0]
+        assert d.state.dtype == np.float32 and d.state.shape == (len(src["actions"]), 8)
+        np.testing.assert_allclose(d.state[:, :6], src["ee_states"], rtol=1e-6)
+        np.testing.assert_allclose(d.state[:, 6:], src["gripper_states"], rtol=1e-6)
+        np.testing.assert_allclose(d.actions, src["actions"], rtol=1e-6)
+    _, no_img = data.read_demo_file(p, images=False)
+    assert no_img[0].images == {} and np.array_equal(no_img[0].state, got[0].state)
+
+
+def test_policy_frame_single_equals_stacked():
+    rng = np.random.default_rng(1)
+    d = make_demo(rng, 4)
+    imgs, state = data.policy_frame(d)
+    for t in range(4):
+        i1, s1 = data.policy_frame({k: v[t] for k, v in d.items()})
+        for c in data.CAMERAS:
+            assert np.array_equal(i1[c], imgs[c][t]) and np.array_equal(i1[c], d[c][t][::-1, ::-1])
+        assert np.array_equal(s1, state[t]) and s1.dtype == np.float32
+
+
+def test_instruction_from_filename(tmp_path):
+    rng = np.random.default_rng(2)
+    p = write_libero(tmp_path / "LIVING_ROOM_SCENE2_put_the_bowl_on_the_plate_demo.hdf5", [make_demo(rng, 3)],
+                     problem_info=False)
+    with pytest.warns(UserWarning, match="file name"):
+        instr, _ = data.read_demo_file(p)
+    assert instr == "put the bowl on the plate"
+    assert data.instruction_from_filename("pick_up_the_black_bowl_demo.hdf5") == "pick up the black bowl"
+
+
+# ---------------------------------------------------------------- bad input
+
+def _corrupt(tmp_path, fn):
+    rng = np.random.default_rng(3)
+    p = write_libero(tmp_path / "bad_demo.hdf5", [make_demo(rng, 4), make_demo(rng, 5)])
+    with h5py.File(p, "a") as f:
+        fn(f)
+    return p
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda f: f.__delitem__("data"), r"bad_demo.hdf5: no 'data' group"),
+    (lambda f: f["data/demo_1/obs"].__delitem__("ee_states"), r"bad_demo.hdf5: data/demo_1/obs/ee_states is missing"),
+    (lambda f: f["data/demo_0"].__delitem__("actions"), r"data/demo_0/actions is missing"),
+    (lambda f: f["data/demo_0/obs"].__delitem__("eye_in_hand_rgb"), r"data/demo_0/obs/eye_in_hand_rgb is missing"),
+    (lambda f: (f["data/demo_1"].__delitem__("actions"),
+                f["data/demo_1"].create_dataset("actions", data=np.zeros((4, 7)))),
+     r"data/demo_1 has mismatched lengths"),
+    (lambda f: f["data/demo_1/actions"].__setitem__((2, 3), np.nan),
+     r"data/demo_1/actions has NaN/inf \(first at frame 2\)"),
+    (lambda f: f["data/demo_0/obs/gripper_states"].__setitem__((1, 0), np.nan),
+     r"data/demo_0/obs/gripper_states has NaN"),
+    (lambda f: f["data"].attrs.__setitem__("problem_info", "{not json"), r"problem_info"),
+])
+def test_bad_input_raises(tmp_path, fn, match):
+    p = _corrupt(tmp_path, fn)
+    with pytest.raises(data.DataError, match=match):
+        data.read_demo_file(p)
+
+
+def test_missing_data_dir_explains_download(tmp_path):
+    with pytest.raises(data.DataError, match=r"libero_10 does not exist.*download_libero_datasets.py.*"
+                                             r"<data_root>/<suite>/<task name>_demo.hdf5"):
+        data.find_demo_files(tmp_path, "libero_10")
+    (tmp_path / "libero_goal").mkdir()
+    with pytest.raises(data.DataError, match="no \\*_demo.hdf5 files"):
+        data.find_demo_files(tmp_path, "libero_goal")
+    with pytest.raises(data.DataError, match="unknown suite"):
+        data.find_demo_files(tmp_path, "libero_100")
+
+
+# ---------------------------------------------------------------- stats
+
+def test_stats_normalize_roundtrip_and_checkpoint():
+    rng = np.random.default_rng(4)
+    states = [rng.normal(3, 2, (n, 8)) for n in (5, 9)]
+    for s in states:
+        s[:, 7] = 0.5  # a constant (zero-filled-like) dim
+    actions = [rng.uniform(-1, 1, (n, 7)) for n in (5, 9)]
+    st = data.compute_stats(states, actions)
+    allx = np.concatenate(states)
+    np.testing.assert_allclose(st["state_mean"], allx.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st["state_std"][:7], allx.std(0)[:7], rtol=1e-5)
+    assert st["state_std"][7] == pytest.approx(1e-2)  # floored, not 0
+    z = data.normalize(actions[0].astype(np.float32), st, "action")
+    np.testing.assert_allclose(z.mean(0) * 5, ((actions[0] - st["action_mean"]) / st["action_std"]).sum(0), rtol=1e-4)
+    np.testing.assert_allclose(data.unnormalize(z, st, "action"), actions[0], atol=1e-5)
+    buf = io.BytesIO()
+    torch.save({"stats": data.stats_to_torch(st)}, buf)
+    buf.seek(0)
+    back = data.stats_to_numpy(torch.load(buf, weights_only=True)["stats"])
+    zt = data.normalize(torch.tensor(actions[0], dtype=torch.float32), back, "action")
+    np.testing.assert_allclose(zt.numpy(), z, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sampler
+
+def _walk(sampler, n):
+    return [sampler.next_window() for _ in range(n)]
+
+
+def test_sampler_streams_contiguous_and_reset_at_episode_starts():
+    lengths = [5, 13, 8, 1, 20, 7, 4]
+    B, T = 3, 4
+    wins = _walk(data.StreamSampler(lengths, B, T, chunk=2, seed=0), 60)
+    starts = []  # episodes in the order streams picked them up
+    for i, w in enumerate(wins):
+        for b in range(B):
+            e, s = w["episode"][b], w["start"][b]
+            assert 0 <= s < lengths[e]
+            if i == 0 or w["reset"][b]:
+                assert s == 0
+                if i > 0:  # the previous window of this stream reached the end of its episode
+                    pe, ps = wins[i - 1]["episode"][b], wins[i - 1]["start"][b]
+                    assert ps + T >= lengths[pe]
+                starts.append(e)
+            else:  # same episode, next T frames
+                assert e == wins[i - 1]["episode"][b] and s == wins[i - 1]["start"][b] + T
+    n = len(lengths)
+    for k in range(len(starts) // n):  # each epoch hands out every episode exactly once
+        assert sorted(starts[k * n:(k + 1) * n]) == list(range(n))
+    assert starts[:n] != starts[n:2 * n]  # reshuffled per epoch
+    again = _walk(data.StreamSampler(lengths, B, T, chunk=2, seed=0), 60)
+    assert all(np.array_equal(a["episode"], b["episode"]) and np.array_equal(a["start"], b["start"])
+               for a, b in zip(wins, again))
+    other = _walk(data.StreamSampler(lengths, B, T, chunk=2, seed=1), 60)
+    assert any(not np.array_equal(a["episode"], b["episode"]) for a, b in zip(wins, other))
+
+
+def test_sampler_resume_exact():
+    lengths = [6, 3, 11, 9, 2]
+    s1 = data.StreamSampler(lengths, 2, 3, seed=7)
+    _walk(s1, 17)
+    sd = json.loads(json.dumps(s1.state_dict()))  # plain types: survives any checkpoint format
+    s2 = data.StreamSampler(lengths, 2, 3, seed=7)
+    s2.load_state_dict(sd)
+    for a, b in zip(_walk(s1, 25), _walk(s2, 25)):
+        for k in ("episode", "start", "reset"):
+            assert np.array_equal(a[k], b[k])
+        assert a["epoch"] == b["epoch"]
+    with pytest.raises(ValueError, match="batch size"):
+        data.StreamSampler(lengths, 4, 3, seed=7).load_state_dict(sd)
+
+
+def _synthetic_episodes(rng, lengths, n_tok=2, D=3, Da=2):
+    eps = []
+    for i, L in enumerate(lengths):
+        tok = np.zeros((L, n_tok, D), np.float16)
+        tok[:, 0, 0] = np.arange(L)  # token encodes the frame index
+        tok[:, 1, 0] = i  # and the episode
+        eps.append(data.Episode(tokens=tok, state=rng.normal(size=(L, 8)).astype(np.float32),
+                                actions=rng.normal(size=(L, Da)).astype(np.float32),
+                                instruction=f"task {i % 2}", source=f"x:{i}"))
+    return eps
+
+
+def test_batch_chunks_and_masks():
+    rng = np.random.default_rng(5)
+    lengths = [5, 9, 3]
+    fd = data.FrameData(_synthetic_episodes(rng, lengths))
+    assert fd.vocab == ["task 0", "task 1"]
+    B, T, C = 2, 4, 3
+    sampler = data.StreamSampler(fd.lengths, B, T, chunk=C, seed=3)
+    for _ in range(12):
+        w = sampler.next_window()
+        bt = fd.batch(w)
+        assert bt["tokens"].shape == (B, T, 2, 3) and bt["actions"].shape == (B, T, C, 2)
+        for b in range(B):
+            e, s = int(w["episode"][b]), int(w["start"][b])
+            L, ep = lengths[e], fd.episodes[e]
+            a_norm = (ep.actions - fd.stats["action_mean"]) / fd.stats["action_std"]
+            assert bt["instr"][b] == e % 2 and bt["reset"][b] == w["reset"][b]
+            for t in range(T):
+                valid = s + t < L
+                assert bt["frame_valid"][b, t] == valid
+                if valid:
+                    assert bt["tokens"][b, t, 0, 0] == s + t and bt["tokens"][b, t, 1, 0] == e
+                    np.testing.assert_allclose(bt["state"][b, t], (ep.state[s + t] - fd.stats["state_mean"])
+                                               / fd.stats["state_std"], rtol=1e-5, atol=1e-6)
+                for c in range(C):
+                    inside = valid and s + t + c < L
+                    assert bt["action_mask"][b, t, c] == inside
+                    if inside:
+                        np.testing.assert_allclose(bt["actions"][b, t, c], a_norm[s + t + c], rtol=1e-5, atol=1e-6)
+                    elif valid:  # padding past the episode end repeats the last action
+                        np.testing.assert_allclose(bt["actions"][b, t, c], a_norm[L - 1], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- feature cache
+
+class FakeEncoder:
+    """Tokens = upright corner pixels of each camera, so orientation and content are checkable."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images):
+        self.calls += 1
+        toks = [torch.stack([images[c][:, 0, 0], images[c][:, -1, -1]], 1).float() for c in data.CAMERAS]
+        return torch.cat(toks, 1)  # [B, 4, 3]
+
+
+def test_feature_cache_reuse_and_invalidation(tmp_path):
+    rng = np.random.default_rng(6)
+    demos = [make_demo(rng, 5), make_demo(rng, 3)]
+    p = write_libero(tmp_path / "a_demo.hdf5", demos)
+    cache = tmp_path / "cache"
+    enc = FakeEncoder()
+    eps = data.build_feature_cache([p], enc, "fake_8px", cache, batch_size=2, progress=False)
+    assert enc.calls == 3 + 2  # ceil(5/2) + ceil(3/2) batches
+    assert [len(e.tokens) for e in eps] == [5, 3] and eps[0].tokens.dtype == np.float16
+    for e, d in zip(eps, demos):
+        # upright [0,0] = raw [-1,-1]; tokens[:, 1] = upright [-1,-1] = raw [0,0]
+        np.testing.assert_array_equal(e.tokens[:, 0], d["agentview_rgb"][:, -1, -1].astype(np.float16))
+        np.testing.assert_array_equal(e.tokens[:, 3], d["eye_in_hand_rgb"][:, 0, 0].astype(np.float16))
+        np.testing.assert_allclose(e.state[:, :6], d["ee_states"], rtol=1e-6)
+        assert e.instruction == "pick up the bowl"
+    calls = enc.calls
+    again = data.build_feature_cache([p], enc, "fake_8px", cache, progress=False)
+    assert enc.calls == calls  # reused, encoder not called
+    assert all(np.array_equal(a.tokens, b.tokens) for a, b in zip(eps, again))
+    data.build_feature_cache([p], enc, "fake_8px", cache, use_cache=False, progress=False)
+    assert enc.calls > calls  # bypass re-encodes
+    calls = enc.calls
+    data.build_feature_cache([p], enc, "other_backbone", cache, progress=False)
+    assert enc.calls > calls  # another key, another entry
+    # the source changes -> re-encoded, the stale entry of this file is removed
+    new = [make_demo(rng, 4)]
+    write_libero(p, new)
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+    calls = enc.calls
+    eps2 = data.build_feature_cache([p], enc, "fake_8px", cache, progress=False)
+    assert enc.calls > calls and [len(e.tokens) for e in eps2] == [4]
+    np.testing.assert_array_equal(eps2[0].tokens[:, 0], new[0]["agentview_rgb"][:, -1, -1].astype(np.float16))
+    assert len(list((cache / "fake_8px").iterdir())) == 1
+
+
+# ---------------------------------------------------------------- embedded memory suite
+
+@pytest.mark.parametrize("task", list(data.MEMORY_TASKS))
+def test_memory_expert_succeeds(task):
+    env = data.MemoryEnv(task)
+    for seed in range(15):
+        ep = data.rollout_expert(env, seed=seed)  # with DART noise
+        assert ep["success"], (task, seed)
+        T = len(ep["actions"])
+        assert T < env.max_steps and ep["actions"].shape == (T, 3) and np.abs(ep["actions"]).max() <= 1
+        assert ep["agentview_rgb"].shape == (T, 64, 64, 3) and ep["ee_states"].shape == (T, 6)
+    assert 0 < data.MEMORYLESS_CEILING[task] < 0.5
+
+
+def test_memory_hidden_variable_not_observable():
+    # cue: after the cue frames, every cue gives the same frame for the same layout (the 1/K argument)
+    env = data.MemoryEnv("cue_colour")
+    frames = []
+    for k in range(3):
+        env.reset(seed=11)
+        env.cue = k
+        first = env._obs()
+        for _ in range(data.CUE_STEPS):
+            obs, _, _ = env.step(env.expert_action())
+        frames.append((first, obs))
+    assert not np.array_equal(frames[0][0]["agentview_rgb"], frames[1][0]["agentview_rgb"])  # cue visible at t=0
+    for f in frames[1:]:
+        for key in data.CAMERAS + data.STATE_KEYS:
+            assert np.array_equal(f[1][key], frames[0][1][key])
+    # pad tasks: back on the pad after a counted touch = exactly the start observation (the n^n/(n+1)^(n+1) bound)
+    env = data.MemoryEnv("count_2")
+    start = env.reset(seed=4)
+    obs, done = None, False
+    while env.count == 0 or not env.in_home:
+        obs, _, done = env.step(env.expert_action())
+        assert not done
+    for key in data.CAMERAS + data.STATE_KEYS:
+        assert np.array_equal(obs[key], start[key])
+
+
+def test_memory_env_failures():
+    env = data.MemoryEnv("round_trip_red")
+    env.reset(seed=0)
+    _, success, done = env.step([0, 0, 1])  # pressing the pad before the trip
+    assert done and not success
+    env = data.MemoryEnv("cue_location")
+    env.reset(seed=0)
+    env.pos = env.objs[(env.cue + 1) % 3].copy()  # stand next to a wrong block
+    env.t = data.FREEZE_STEPS
+    _, success, done = env.step([0, 0, -1])
+    assert done and not success
+
+
+def test_memory_suite_files_read_back(tmp_path):
+    files = data.find_demo_files(tmp_path, "memory", n_episodes=2, tasks=["cue_colour", "count_2"], progress=False)
+    assert [f.name for f in files] == ["count_2_demo.hdf5", "cue_colour_demo.hdf5"]
+    for task, f in [("cue_colour", files[1]), ("count_2", files[0])]:
+        ti = list(data.MEMORY_TASKS).index(task)
+        instr, demos = data.read_demo_file(f)
+        assert instr == data.MEMORY_TASKS[task][1] and len(demos) == 2
+        env = data.MemoryEnv(task)
+        env.reset(seed=[0, ti, 0])  # the generator's seed of episode 0
+        glob, ego = env.render()
+        assert np.array_equal(demos[0].images["agentview_rgb"][0], glob)  # upright after the shared rotation
+        assert np.array_equal(demos[0].images["eye_in_hand_rgb"][0], ego)
+        np.testing.assert_allclose(demos[0].state[0], [*env.home, 0, 0, 0, 0, 0, 0], atol=1e-6)
+        assert np.all(demos[0].state[:, 2:] == 0)
+    mtime = files[0].stat().st_mtime_ns
+    data.find_demo_files(tmp_path, "memory", n_episodes=2, tasks=["cue_colour", "count_2"], progress=False)
+    assert files[0].stat().st_mtime_ns == mtime  # written once, then reused
+    with pytest.raises(data.DataError, match=r"count_2_demo.hdf5: data.attrs\['img_size'\] = 64 but img_size=96"):
+        data.find_demo_files(tmp_path, "memory", img_size=96, tasks=["count_2"], progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval.py: LIBERO protocol, observation processing, reset schedule, env workers, resumable log.
+# The simulator tests need `pip install -r requirements-libero.txt` (CI installs it); without it they FAIL with
+# that instruction, they are never skipped.
+# ---------------------------------------------------------------------------------------------------------------
+def require_libero():
+    try:
+        from libero.libero import benchmark  # noqa: F401
+        import robosuite.utils.transform_utils as T
+    except Exception as e:
+        pytest.fail(f"the LIBERO simulator is not importable ({type(e).__name__}: {e}); "
+                    f"install it with: python -m pip install -r requirements-libero.txt")
+    return T
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Geometry: quaternion -> axis-angle
+# ----------------------------------------------------------------------------------------------------------
+
+
+def quat_to_matrix(q):
+    """Independent: rotation matrix of a unit quaternion (x, y, z, w), the textbook formula."""
+    x, y, z, w = q / np.linalg.norm(q)
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)],
+                     [2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)],
+                     [2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]])
+
+
+def rodrigues(r):
+    """Independent: exp map of an axis-angle vector r [3] -> rotation matrix."""
+    th = np.linalg.norm(r)
+    if th < 1e-12:
+        return np.eye(3)
+    k = r / th
+    K = np.array([[0, -k[2], k[1]], [k[2], 0, -k[0]], [-k[1], k[0], 0]])
+    return np.eye(3) + math.sin(th) * K + (1 - math.cos(th)) * K @ K
+
+
+def test_quat2axisangle_closed_forms_and_rotation():
+    a = 0.7
+    np.testing.assert_allclose(ev.quat2axisangle([0, 0, math.sin(a / 2), math.cos(a / 2)]), [0, 0, a], atol=1e-12)
+    np.testing.assert_allclose(ev.quat2axisangle([1, 0, 0, 0]), [math.pi, 0, 0], atol=1e-12)  # half turn
+    np.testing.assert_array_equal(ev.quat2axisangle([0, 0, 0, 1]), 0)  # identity, den = 0 exactly
+    np.testing.assert_array_equal(ev.quat2axisangle([0, 0, 0, -1]), 0)  # 2 pi turn = identity
+    # robosuite keeps w < 0: angle = 2 acos(w) > pi (no canonical flip), the LIBERO eef sits near w = 0
+    np.testing.assert_allclose(np.linalg.norm(ev.quat2axisangle([0, 0, math.sin(2.5), math.cos(2.5)])), 5.0)
+    rng = np.random.default_rng(0)
+    q = rng.normal(size=(200, 4))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    q[:5, :3] *= 1e-7  # w within ~1e-14 of +-1: the axis is numerically undefined
+    q[:5] /= np.linalg.norm(q[:5], axis=1, keepdims=True)
+    r = ev.quat2axisangle(q)  # batched [200, 3]
+    assert r.shape == (200, 3)
+    for qi, ri in zip(q, r):
+        np.testing.assert_allclose(rodrigues(ri), quat_to_matrix(qi), atol=1e-9)
+        np.testing.assert_allclose(ri, ev.quat2axisangle(qi))  # batched == single
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4\]"):
+        ev.quat2axisangle([1.0, 0.0, 0.0])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout loop on a toy env (no simulator): reset schedule, batching, workers, resumable log
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ToyEnv:
+    """Episode (task, trial): done (success) at step 3 + task + 2 * trial for even trials, never for odd ones
+    (those time out at max_steps). The obs carries its episode and frame index."""
+
+    def __init__(self, task_id, max_steps=12):
+        self.task_id, self.max_steps = task_id, max_steps
+        self.instruction = f"toy task {task_id}"
+
+    def reset(self, trial):
+        self.trial, self.t = trial, 0
+        return dict(ep=(self.task_id, trial), t=0)
+
+    def step(self, action):
+        assert action.shape == (7,)
+        self.t += 1
+        done = self.trial % 2 == 0 and self.t == 3 + self.task_id + 2 * self.trial
+        return dict(ep=(self.task_id, self.trial), t=self.t), done
+
+    def close(self):
+        pass
+
+
+class RecordingPolicy:
+    """Counts, per row, the frames since its last reset; logs what it saw at every call."""
+
+    def __init__(self):
+        self.resets, self.calls, self.count = [], [], None
+
+    def reset(self, rows):
+        if self.count is None:
+            assert rows.all(), "the first reset must cover every row (start of the first episodes)"
+            self.count = np.zeros(len(rows), dtype=int)
+        for i in np.flatnonzero(rows):
+            self.count[i] = 0
+        self.resets.append(rows.copy())
+
+    def act(self, frames, instructions):
+        self.calls.append([(f["ep"], f["t"], c) for f, c in zip(frames, self.count)])
+        self.count += 1
+        return np.zeros((len(frames), 7))
+
+
+def toy_make(task_id, max_steps=12):
+    return ToyEnv(task_id, max_steps)
+
+
+def identity(obs):
+    return obs
+
+
+@pytest.mark.parametrize("L", [0, 1, 4, 5])
+def test_reset_schedule_per_row(L):
+    episodes = [(t, k) for t in range(2) for k in range(3)]
+    policy = RecordingPolicy()
+    slots = ev.EnvSlots(toy_make, 2)
+    recs = ev.run_episodes(slots, policy, episodes, reset_every=L, frame_fn=identity)
+    expect = {(t, k): (3 + t + 2 * k if k % 2 == 0 else 12) for t, k in episodes}  # episode lengths
+    # Independent expectation: at frame t of an episode the memory holds the frames since the last reset point
+    # in {0, L, 2L, ...} (only 0 when L = 0), i.e. t - L * floor(t / L) of them.
+    fed = {e: [] for e in episodes}
+    for call in policy.calls:
+        for ep, t, count in call:
+            if t >= expect[ep]:
+                continue  # an idle row (queue empty) re-feeding its episode's last obs; its action is discarded
+            fed[ep].append(t)
+            assert count == (t if L == 0 else t - L * (t // L)), (ep, t, count, L)
+    # Every episode feeds each of its frames exactly once, in order; lengths and successes as the env defines.
+    assert fed == {e: list(range(expect[e])) for e in episodes}
+    assert {(r["task_id"], r["trial"]): r["steps"] for r in recs} == expect
+    assert {(r["task_id"], r["trial"]) for r in recs if r["success"]} == {e for e in episodes if e[1] % 2 == 0}
+
+
+def test_memory_reset_rows_frames():
+    f = np.arange(20)
+    np.testing.assert_array_equal(np.flatnonzero(ev.memory_reset_rows(f, 0)), [0])
+    np.testing.assert_array_equal(np.flatnonzero(ev.memory_reset_rows(f, 8)), [0, 8, 16])
+    with pytest.raises(ValueError, match="reset-every"):
+        ev.memory_reset_rows(f, -1)
+
+
+def test_workers_match_in_process():
+    episodes = [(t, k) for t in range(3) for k in range(2)]
+    make = functools.partial(toy_make, max_steps=9)
+    local = ev.run_episodes(ev.EnvSlots(make, 2), RecordingPolicy(), episodes, frame_fn=identity)
+    slots = ev.EnvSlots(make, 2, processes=True)  # spawn workers, one env each
+    try:
+        remote = ev.run_episodes(slots, RecordingPolicy(), episodes, frame_fn=identity)
+        # A failing env in a worker surfaces as an error carrying the worker's traceback.
+        with pytest.raises(RuntimeError, match=r"worker 0 failed:\n(.|\n)*AssertionError"):
+            ev.run_episodes(slots, BadActionPolicy(), [(0, 0)], frame_fn=identity)
+    finally:
+        slots.close()
+    key = lambda r: (r["task_id"], r["trial"], r["steps"], r["success"])
+    assert sorted(map(key, local)) == sorted(map(key, remote))
+    assert len(remote) == len(episodes)
+
+
+class BadActionPolicy(RecordingPolicy):
+    def act(self, frames, instructions):
+        return np.zeros((len(frames), 3))  # ToyEnv asserts a 7-dim action
+
+
+def test_jsonl_resume_and_guards(tmp_path):
+    tasks = [(0, "toy0", "toy task 0"), (1, "toy1", "toy task 1")]
+    run = dict(policy="rec", seed=7, reset_every=0)
+    made = []
+
+    def make(task_id):
+        made.append(task_id)
+        return ToyEnv(task_id, max_steps=8)  # task 1 trial 2 succeeds on its last allowed step
+
+    s1 = ev.evaluate("toy", tasks, 2, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run,
+                     frame_fn=identity)
+    log = tmp_path / "episodes.jsonl"
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(r["task_id"], r["trial"]) for r in lines] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert s1["episodes"] == 4 and s1["mean"] == pytest.approx(0.5)  # even trials succeed
+    # Re-run with more trials: only the new episodes run, the log grows by exactly those.
+    pol = RecordingPolicy()
+    s2 = ev.evaluate("toy", tasks, 3, pol, ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [(r["task_id"], r["trial"]) for r in lines[4:]] == [(0, 2), (1, 2)]
+    assert {c[0][0] for c in pol.calls} == {(0, 2), (1, 2)}  # the policy never saw a finished episode again
+    assert s2["episodes"] == 6 and [t["successes"] for t in s2["tasks"]] == [2, 2]
+    # Nothing left: no env is built at all.
+    n_made = len(made)
+    ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
+    assert len(made) == n_made
+    table = ev.markdown_table({"toy": s2})
+    assert "| toy | 0 | toy0 | 3 | 66.7 |" in table and "**66.7**" in table
+    # Another experiment in the same folder is refused, naming the file and the setting.
+    with pytest.raises(ValueError, match=r"episodes\.jsonl holds episodes with reset_every=0"):
+        ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path),
+                    dict(run, reset_every=8), frame_fn=identity)
+    # A cut last line (interrupted write) is a clear error, not a silent skip.
+    with open(log, "a") as f:
+        f.write('{"suite": "toy", "task_id": 0, "tri')
+    with pytest.raises(ValueError, match=r"episodes\.jsonl:7 is not valid JSON"):
+        ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The real simulator: one short libero_10 episode through eval.py's own code path
+# ----------------------------------------------------------------------------------------------------------
+
+
+class TapEnv(ev.LiberoEnv):
+    """LiberoEnv that keeps the raw simulator output (and the MuJoCo eef rotation) of every observation."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.taps, self.wait_actions, inner = [], [], self.env
+        outer = self
+
+        class Proxy:  # records the actions the protocol sends during reset
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def step(self, action):
+                outer.wait_actions.append(np.array(action))
+                return inner.step(action)
+
+            def set_init_state(self, s):
+                o = inner.set_init_state(s)
+                outer.state_after_init = inner.get_sim_state().copy()
+                return o
+
+        self.env = Proxy()
+
+    def _tap(self):
+        sim = self.env.sim
+        body = sim.model.body_name2id(self.env.robots[0].robot_model.eef_name)
+        self.taps.append(dict(obs={k: np.array(v) for k, v in self.sim_obs.items()},
+                              xmat=np.array(sim.data.body_xmat[body]).reshape(3, 3)))
+
+    def reset(self, trial):
+        self.wait_actions = []
+        o = super().reset(trial)
+        self.n_wait = len(self.wait_actions)
+        self._tap()
+        return o
+
+    def step(self, action):
+        r = super().step(action)
+        self._tap()
+        return r
+
+
+class SmallRandomPolicy(RecordingPolicy):
+    def act(self, frames, instructions):
+        self.calls.append((frames, list(instructions)))
+        return np.concatenate([np.random.default_rng(len(self.calls)).uniform(-0.5, 0.5, (len(frames), 6)),
+                               -np.ones((len(frames), 1))], axis=1)  # [n, 7], gripper open
+
+
+def test_libero_episode_observation_processing():
+    T = require_libero()
+    envs = []
+
+    def make(task_id):
+        envs.append(TapEnv("libero_10", task_id, seed=7, image_size=128, max_steps=24))
+        return envs[-1]
+
+    policy = SmallRandomPolicy()
+    slots = ev.EnvSlots(make, 1)
+    try:
+        recs = ev.run_episodes(slots, policy, [(0, 3)], reset_every=8)  # default frame_fn = data.policy_frame
+        env = envs[0]
+        # Protocol: fixed initial state 3, then 10 wait steps with [0]*6 + [-1] before the first policy frame.
+        np.testing.assert_allclose(env.state_after_init, env.init_states[3], atol=1e-8)
+        assert env.n_wait == ev.NUM_WAIT_STEPS == 10
+        assert all(np.array_equal(a, [0, 0, 0, 0, 0, 0, -1]) for a in env.wait_actions[:env.n_wait])
+        assert recs[0]["steps"] == 24 and not recs[0]["success"] and len(policy.calls) == 24
+        assert recs[0]["instruction"] == "put both the alphabet soup and the tomato sauce in the basket"
+        # --reset-every 8: memory cleared before frames 0, 8 and 16 only.
+        assert [np.flatnonzero(r).tolist() for r in policy.resets] == [[0], [0], [0]]
+        assert len(policy.resets) == 3
+        # Each policy frame against the raw simulator output at the same instant.
+        eef = []
+        for (frames, instr), tap in zip(policy.calls, env.taps):
+            (images, state), raw = frames[0], tap["obs"]
+            assert instr == [recs[0]["instruction"]]
+            assert images["agentview_rgb"].shape == (128, 128, 3)
+            np.testing.assert_array_equal(images["agentview_rgb"], np.rot90(raw["agentview_image"], 2))
+            np.testing.assert_array_equal(images["eye_in_hand_rgb"], np.rot90(raw["robot0_eye_in_hand_image"], 2))
+            assert state.shape == (8,) and state.dtype == np.float32
+            np.testing.assert_allclose(state[:3], raw["robot0_eef_pos"], atol=1e-6)
+            np.testing.assert_allclose(state[3:6], T.quat2axisangle(raw["robot0_eef_quat"].copy()), atol=1e-5)
+            R = rodrigues(state[3:6].astype(np.float64))  # independent conversion of the state back to a rotation
+            np.testing.assert_allclose(R, quat_to_matrix(raw["robot0_eef_quat"]), atol=1e-5)
+            # The quaternion is (x, y, z, w) of the eef body: MuJoCo's own matrix agrees (robosuite's observables
+            # are sampled up to a 2 ms physics substep before the step ends: ~1e-3 lag while moving).
+            np.testing.assert_allclose(R, tap["xmat"], atol=1e-2)
+            np.testing.assert_allclose(state[6:8], raw["robot0_gripper_qpos"], atol=1e-6)
+            eef.append(raw["robot0_eef_pos"])
+        assert np.ptp(np.array(eef), axis=0).max() > 1e-3  # the actions reached the robot
+        # The rendered agentview is upside down: the upright frame's top rows differ from the raw top rows.
+        assert not np.array_equal(policy.calls[0][0][0][0]["agentview_rgb"], env.taps[0]["obs"]["agentview_image"])
+        with pytest.raises(ValueError, match="has 50"):
+            env.reset(50)  # no fixed initial state 50
+    finally:
+        slots.close()
+
+
+def test_libero_bad_input_errors(monkeypatch):
+    with pytest.raises(ValueError, match="not a LIBERO suite"):
+        ev.libero_suite("libero_11")
+    require_libero()
+    with pytest.raises(ValueError, match=r"--tasks \[10\] out of range for libero_10"):
+        ev.libero_tasks("libero_10", [10])
+    monkeypatch.setitem(sys.modules, "libero.libero.envs", None)  # as if the package were missing
+    with pytest.raises(RuntimeError, match="pip install -r requirements-libero.txt"):
+        ev.import_libero()
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # train.py / eval.py: truncated-BPTT training, checkpoints, exact resume, DDP, closed-loop rollouts
 # ---------------------------------------------------------------------------------------------------------------
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-
-import data  # noqa: E402
-import eval as ev  # noqa: E402
-import train  # noqa: E402
 
 TINY = ["--episodes", "3", "--image-size", "32", "--d-model", "32", "--head-blocks", "2", "--mem-heads", "2",
         "--mem-dim", "16", "--batch", "4", "--window", "4", "--chunk", "4", "--eval-episodes", "0",
@@ -683,9 +1359,7 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
 def test_libero_rollout_with_untrained_checkpoint(tmp_path):
     """A real libero_10 episode (capped) through eval.py's own path with a small checkpoint trained for one step
     on LIBERO-schema demos written here; observation processing is checked against the raw simulator output."""
-    import test_part_libero as tl
-
-    T = tl.require_libero()
+    T = require_libero()
     (task_id, name, instruction), = ev.libero_tasks("libero_10", [0])
     rng = np.random.default_rng(0)
     demos = [dict(actions=rng.uniform(-1, 1, (12, 7)), agentview_rgb=rng.integers(0, 255, (12, 128, 128, 3), np.uint8),
@@ -695,7 +1369,7 @@ def test_libero_rollout_with_untrained_checkpoint(tmp_path):
     ck = train.main(["--suite", "libero_10", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
                      "--vision", "vit_tiny_patch16_224", "--out", str(tmp_path / "run"), "--steps", "1"] + TINY[2:])
     policy = ev.CheckpointPolicy(str(ck), replan=2)
-    rec = tl.RecordingPolicy()
+    rec = RecordingPolicy()
 
     class Tapped:  # records what the checkpoint policy is given
         def reset(self, rows):
@@ -709,7 +1383,7 @@ def test_libero_rollout_with_untrained_checkpoint(tmp_path):
     envs = []
 
     def make(t):
-        envs.append(tl.TapEnv("libero_10", t, seed=7, image_size=128, max_steps=12))
+        envs.append(TapEnv("libero_10", t, seed=7, image_size=128, max_steps=12))
         return envs[-1]
 
     slots = ev.EnvSlots(make, 1)
