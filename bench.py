@@ -4,7 +4,7 @@ Speed and memory of DRAM against its alternatives, measured side by side in ONE 
 Every figure is a ratio against a baseline timed in the same process, so it holds on a noisy machine. Timings are
 medians of torch.utils.benchmark.Timer.blocked_autorange after a warm-up (the Timer synchronises CUDA itself).
 
-  python bench.py --quick                       # parts 1-2, < 2 min on 2 CPU cores
+  python bench.py --quick                       # all parts, < 2 min on 2 CPU cores
   python bench.py                               # full grid, < 10 min on 2 CPU cores
   python bench.py --device cuda --out results   # writes results.md and results.json
 
@@ -14,8 +14,12 @@ dk = dv in {64, 128}, batch x heads P from 8 to 256):
      torch.linalg.cholesky + cholesky_solve and the token-by-token sequential_delta_write; the N x N (Woodbury)
      path against the dk x dk path for N < dk; achieved GFLOP/s against dense matmul GFLOP/s of the same run.
   2  DRAMLayer.forward over a TBPTT window of T in {8, 16, 32} frames against a loop of DRAMLayer.step.
-  3  deployment latency of the DiT host (DRAM at episode step t vs a k-frame context baseline)  -- needs hosts.py
-  4  training frames/s (DRAM vs --memory none, feature cache vs on-the-fly), peak memory vs T   -- needs hosts.py
+  3  deployment: per-control-step latency of the DiT host with DRAM at episode step t in {10, 100, 1000} against
+     a k-frame context (k in {1, 4, 8, 16}) on the same DiT head, and the persistent memory bytes of each.
+  4  training: frames/s of a TBPTT step, DRAM vs memory="none" (cached features), feature cache vs encoding on the
+     fly; activation memory vs the window T in {4, 8, 16, 32}.
+Parts 3-4 run the DiT host at both real sizes: LIBERO (vit_small_patch16_224.dino at 128 px, 129 tokens x 384) and
+the embedded default (vit_tiny_patch16_224 at 64 px, 33 tokens x 192).
 """
 import argparse
 import json
@@ -26,11 +30,13 @@ import statistics
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.benchmark as benchmark
 
 import dram
 from dram import DRAMConfig, DRAMLayer, joint_write, sequential_delta_write, write_weights
+from hosts import HostConfig, make_host
 
 # ----------------------------------------------------------------------------------------------------------
 # Timing, machine description, report
@@ -128,11 +134,13 @@ class Report:
         print(text, flush=True)
         self.md.append(text)
 
-    def target(self, name, measured, threshold):
-        """A target 'measured >= threshold' (both ratios of times taken in this run)."""
-        ok = measured >= threshold
-        self.targets.append({"target": name, "measured": measured, "threshold": threshold, "pass": ok})
-        print(f"{'PASS' if ok else 'MISS'}  {name}: {measured:.2f}x (target >= {threshold:g}x)", flush=True)
+    def target(self, name, measured, threshold, kind=">="):
+        """A target on a ratio of times taken in this run: measured >= threshold, measured <= threshold, or
+        kind="within": |measured - 1| <= threshold (e.g. 0.05 = within 5%)."""
+        ok = {">=": measured >= threshold, "<=": measured <= threshold, "within": abs(measured - 1) <= threshold}[kind]
+        goal = f"within {100 * threshold:g}% of 1x" if kind == "within" else f"{kind} {threshold:g}x"
+        self.targets.append({"target": name, "measured": measured, "goal": goal, "pass": ok})
+        print(f"{'PASS' if ok else 'MISS'}  {name}: {measured:.3f}x (target {goal})", flush=True)
 
     def markdown(self):
         head = ["## DRAM benchmark", ""]
@@ -142,7 +150,7 @@ class Report:
         if self.targets:
             out += "\n### Targets\n\n| target | measured | target | result |\n|---|---|---|---|\n"
             out += "".join(
-                f"| {t['target']} | {t['measured']:.2f}x | >= {t['threshold']:g}x | {'PASS' if t['pass'] else 'MISS'} |\n"
+                f"| {t['target']} | {t['measured']:.3f}x | {t['goal']} | {'PASS' if t['pass'] else 'MISS'} |\n"
                 for t in self.targets
             )
         return out
@@ -382,14 +390,329 @@ def part2(args, device, rep):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Parts 3-4 (need hosts.py): implemented parts register here, the others say why they are missing
+# Shared by parts 3-4: the DiT host at its two real sizes
 # ----------------------------------------------------------------------------------------------------------
 
-PARTS = {1: part1, 2: part2}
-NOT_YET = {
-    3: "deployment latency of the DiT host with DRAM vs a k-frame context baseline (needs hosts.py)",
-    4: "training frames/s DRAM vs --memory none, feature cache vs on-the-fly, peak memory vs T (needs hosts.py)",
+# vision tower, its input size (= the suite's camera resolution) and what it yields per frame:
+#   libero:   vit_small_patch16_224.dino at 128 px -> 2 cameras x 64 patches + 1 instruction token = 129 x 384
+#   embedded: vit_tiny_patch16_224 at 64 px        -> 2 cameras x 16 patches + 1 instruction token =  33 x 192
+HOST_SIZES = {
+    "libero": dict(vision="vit_small_patch16_224.dino", image_size=128),
+    "embedded": dict(vision="vit_tiny_patch16_224", image_size=64),
 }
+
+
+def make_dit(size, memory, device):
+    """The DiT host exactly as train.py builds it (its defaults: mem depth 2, 4 heads, dk = dv = 32, head width 128,
+    4 blocks, chunk 4), random tower weights (timing does not depend on them). A trained-looking memory: f_O is
+    zero at initialisation (exact identity), here small random so that reads reach the head and gradients flow."""
+    from train import DEFAULTS  # the training defaults are the configuration being measured
+
+    cfg = HostConfig(memory=memory, chunk=DEFAULTS["chunk"], vocab=("bench instruction",), pretrained=False,
+                     **HOST_SIZES[size])
+    host = make_host("dit", cfg).to(device)
+    if host.memory is not None:
+        with torch.no_grad():
+            for layer in host.memory.layers:
+                layer.f_O.weight.normal_(0, 0.02)
+    return host
+
+
+def tokens_per_frame(host):
+    """n_cam * P patch tokens of one frame (a probe through the frozen tower at the configured size)."""
+    s = host.cfg.image_size
+    img = {c: torch.zeros(1, s, s, 3, dtype=torch.uint8) for c in host.cfg.cameras}
+    with torch.no_grad():
+        return host.encode(img).shape[1]
+
+
+def random_images(host, n, device, g):
+    """n frames of uint8 camera images at the suite's resolution: dict cam -> [n, s, s, 3]."""
+    s = host.cfg.image_size
+    return {c: torch.randint(0, 256, (n, s, s, 3), generator=g, dtype=torch.uint8).to(device) for c in host.cfg.cameras}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 3: deployment latency, DRAM at episode step t against a k-frame context on the same DiT head
+# ----------------------------------------------------------------------------------------------------------
+
+
+class KFrameContext(nn.Module):
+    """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the concatenated
+    tokens of the last k frames. A ring buffer holds the k most recent frames' encoded patch tokens (the frozen
+    tower runs once per frame, as for DRAM); a learned per-slot frame embedding, indexed by the frame's AGE
+    (0 = current), lets the head tell the frames apart; the instruction token is appended once.
+
+    Built on a memory="none" DiT host, so the head (hosts.DiTHead), camera and instruction embeddings are the
+    same modules that the DRAM host uses; only the conditioning tokens differ: k n_cam P + 1 instead of n_cam P + 1."""
+
+    def __init__(self, host, k):
+        super().__init__()
+        assert host.memory is None, "the k-frame baseline runs on the memoryless host"
+        self.host, self.k = host, k
+        self.frame_embed = nn.Parameter(0.02 * torch.randn(k, 1, host.tower.width))  # [k, 1, D] per age
+
+    def init_buffer(self, B, NP, device):
+        """The persistent state of this policy: [B, k, n_cam P, D] encoded tokens of the last k frames."""
+        return torch.zeros(B, self.k, NP, self.host.tower.width, device=device)
+
+    def step(self, feats, instr, buf, t):
+        """Control step t (0-based): write frame t into slot t mod k (in place), then build the head's tokens.
+        feats [B, n_cam P, D] -> {"tokens": [B, k n_cam P + 1, D]}. Assumes t >= k - 1 (buffer full); before
+        that the empty slots would be masked, which only makes the early steps cheaper."""
+        B, NP, D = feats.shape
+        n_cam = len(self.host.cfg.cameras)
+        slot = t % self.k
+        buf[:, slot] = feats  # ring buffer write
+        age = (slot - torch.arange(self.k, device=feats.device)) % self.k  # [k] age of the frame in each slot
+        x = buf.view(B, self.k, n_cam, NP // n_cam, D) + self.host.cam_embed  # [B, k, n_cam, P, D]
+        x = x.reshape(B, self.k, NP, D) + self.frame_embed[age]  # [B, k, NP, D] + [k, 1, D]
+        lang = self.host.instr_embed(instr)[:, None]  # [B, 1, D]
+        return {"tokens": torch.cat([x.reshape(B, self.k * NP, D), lang], 1)}  # [B, k NP + 1, D]
+
+
+def part3(args, device, rep):
+    B = 1  # one robot: the latency of one control step
+    ts = (10, 100, 1000)
+    ks = (1, 4, 8, 16)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows, raw = [], {}
+    for size in HOST_SIZES:
+        torch.manual_seed(0)
+        host = make_dit(size, "dram", device).eval()
+        base = make_dit(size, "none", device).eval()
+        NP, D = tokens_per_frame(host), host.tower.width
+        instr = torch.zeros(B, dtype=torch.long, device=device)
+        svec = torch.randn(B, host.cfg.state_dim, generator=g).to(device)  # proprioceptive state [B, Ds]
+        noise = torch.randn(B, host.cfg.chunk, host.cfg.action_dim, generator=g).to(device)  # fixed draw [B, C, Da]
+        images = random_images(host, B, device, g)
+        pool = torch.randn(16, B, NP, D, generator=g).to(device)  # frames fed while advancing the memory
+        feats = torch.randn(B, NP, D, generator=g).to(device)  # the frame of the timed step [B, NP, D]
+
+        # DRAM: advance the memory t steps (real transitions), keep S_t, then time step t+1 from S_t
+        states, S = {}, host.init_state(B, device)
+        with torch.no_grad():
+            for t in range(1, max(ts) + 1):
+                _, S = host.step(pool[t % len(pool)], instr, S)
+                if t in ts:
+                    states[t] = S.clone()
+
+        def dram_step(S_t):
+            def run():  # one control step: one read-write transition + one action chunk (flow_steps Euler steps)
+                with torch.no_grad():
+                    ctx, _ = host.step(feats, instr, S_t)
+                    return host.sample(ctx, svec, instr, noise)
+
+            return run
+
+        ctxs = {k: KFrameContext(base, k).to(device).eval() for k in ks}
+        bufs = {k: ctxs[k].init_buffer(B, NP, device).copy_(torch.randn(B, k, NP, D, generator=g)) for k in ks}
+
+        def ctx_step(k):
+            def run():  # timed at a full buffer (t = 2k - 1 >= k - 1)
+                with torch.no_grad():
+                    ctx = ctxs[k].step(feats, instr, bufs[k], 2 * k - 1)
+                    return base.sample(ctx, svec, instr, noise)
+
+            return run
+
+        def encode():
+            with torch.no_grad():
+                return host.encode(images)
+
+        fns = {f"dram t={t}": dram_step(states[t]) for t in ts}
+        fns.update({f"k={k}": ctx_step(k) for k in ks})
+        fns["encode"] = encode
+        med, per = compare(fns, device, args.min_run_time, args.rounds)
+        enc = per["encode"]
+        ref = "dram t=10"
+        state_bytes = states[ts[0]][0].numel() * states[ts[0]].element_size()  # one stream, fp32
+        out = {"tokens_per_frame": NP + 1, "width": D, "median_s": med, "rows": {}}
+        for name in fns:
+            if name == "encode":
+                continue
+            x = ratio(per, name, ref)  # time / time(DRAM at t = 10), policy step only
+            tot = statistics.median((a + e) / (b + e) for a, b, e in zip(per[name], per[ref], enc))  # incl. encoder
+            nbytes = state_bytes if name.startswith("dram") else bufs[int(name[2:])][0].numel() * 4
+            ntok = NP + 1 if name.startswith("dram") else int(name[2:]) * NP + 1
+            out["rows"][name] = {"step_s": med[name], "x_vs_dram_t10": x, "x_vs_dram_t10_incl_encoder": tot,
+                                 "persistent_bytes": nbytes, "head_tokens": ntok}
+            rows.append([size, name, ntok, ms(med[name]), f"{x:.2f}", ms(med[name] + med["encode"]), f"{tot:.2f}",
+                         f"{nbytes / 1024:.0f} KiB"])
+        out["encode_s"] = med["encode"]
+        raw[size] = out
+        del host, base, ctxs, bufs
+    rep.data["part3_deployment"] = raw
+    rep.section(
+        "Part 3: per-control-step latency, DRAM at episode step t vs a k-frame context (x = time / DRAM t=10 time)",
+        ["host size", "policy", "head tokens", "step ms (excl. encoder)", "x", "step ms incl. encoder", "x incl. encoder",
+         "persistent memory / stream"],
+        rows,
+        note=f"B = 1. One control step = host.step (DRAM: one read-write transition of the 2-layer stack) or the ring "
+        f"buffer write + token assembly (k-frame), then host.sample (one action chunk, {HostConfig.flow_steps} Euler "
+        f"steps of the same hosts.DiTHead). The frozen encoder (2 cameras, uint8 -> tokens) is identical for both and "
+        f"timed separately: libero {ms(raw['libero']['encode_s'])} ms, embedded {ms(raw['embedded']['encode_s'])} ms; "
+        f"'incl. encoder' adds it. DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens.",
+    )
+    for size in HOST_SIZES:
+        r = raw[size]["rows"]
+        rep.target(f"{size}: step latency t=1000 vs t=10 (policy step)", r["dram t=1000"]["x_vs_dram_t10"], 0.05,
+                   kind="within")
+        rep.target(f"{size}: k=8 context vs DRAM per step (policy step, excl. encoder)", r["k=8"]["x_vs_dram_t10"], 3.0)
+        rep.target(f"{size}: k=8 context vs DRAM per step (incl. frozen encoder)",
+                   r["k=8"]["x_vs_dram_t10_incl_encoder"], 3.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Part 4: training throughput and activation memory
+# ----------------------------------------------------------------------------------------------------------
+
+
+def make_train_step(host, opt, B, T, device, g, images=None):
+    """One TBPTT training step as train.py runs it: host.loss over a window (bf16 autocast on CUDA), mean over
+    valid frames, backward, clip, AdamW. Reads cached features [B, T, NP, D], or with `images` (dict cam ->
+    uint8 [B T, s, s, 3]) encodes them inside the step with the frozen tower (the no-cache path)."""
+    cfg = host.cfg
+    NP = tokens_per_frame(host)
+    feats = torch.randn(B, T, NP, host.tower.width, generator=g).to(device)  # [B, T, NP, D]
+    instr = torch.zeros(B, dtype=torch.long, device=device)
+    svec = torch.randn(B, T, cfg.state_dim, generator=g).to(device)  # [B, T, Ds]
+    actions = torch.randn(B, T, cfg.chunk, cfg.action_dim, generator=g).to(device)  # [B, T, C, Da]
+    amask = torch.ones(B, T, cfg.chunk, dtype=torch.bool, device=device)  # [B, T, C]
+    fvalid = torch.ones(B, T, dtype=torch.bool, device=device)  # [B, T]
+    S0 = host.init_state(B, device)
+    if S0.numel():
+        S0 = 0.1 * torch.randn(S0.shape, generator=g).to(device)  # a carried-over (detached) state
+    params = host.trainable_parameters()
+
+    def step():
+        f = feats
+        if images is not None:
+            f = host.encode(images).view(B, T, NP, -1)  # [B T, NP, D] -> [B, T, NP, D]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss_sum, n, _ = host.loss(f, instr, S0, svec, actions, amask, fvalid)
+        opt.zero_grad(set_to_none=True)
+        (loss_sum / n).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return step
+
+
+def adamw(host):
+    return torch.optim.AdamW(host.trainable_parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def saved_tensor_bytes(fn, params):
+    """Bytes of the distinct tensors autograd saves for backward while fn() runs (parameters excluded): the
+    activation memory of a training step, device-independent. Distinct = by storage (views share one)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(x):
+        s = x.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[(s.data_ptr(), x.device)] = s.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def part4(args, device, rep):
+    B, T = 8, 16
+    Bm = 2 if args.quick and device.type == "cpu" else B  # batch of the activation-memory table
+    Ts = (4, 8, 16, 32)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows, mrows, raw = [], [], {}
+    for size in HOST_SIZES:
+        torch.manual_seed(0)
+        dram_host, none_host = make_dit(size, "dram", device).train(), make_dit(size, "none", device).train()
+        steps = {"dram": make_train_step(dram_host, adamw(dram_host), B, T, device, g),
+                 "none": make_train_step(none_host, adamw(none_host), B, T, device, g)}
+        med, per = compare(steps, device, args.min_run_time, args.rounds)
+        overhead = ratio(per, "dram", "none")  # DRAM step time / memoryless step time (same frames per step)
+
+        # on the fly: host.encode inside the step. A CPU --quick run times the tower on a slice of the window's
+        # frames and scales it linearly (the tower is batch-linear), since the full LIBERO window takes ~10 s
+        n_enc = B * T if not (args.quick and device.type == "cpu") else 2 * (2 if size == "libero" else 8)
+        imgs = random_images(dram_host, n_enc, device, g)
+        if n_enc == B * T:
+            otf = make_train_step(dram_host, adamw(dram_host), B, T, device, g, images=imgs)
+            m2, p2 = compare({"cache": steps["dram"], "otf": otf}, device, args.min_run_time, rounds=3, warmup=1)
+            cache_x, t_otf = ratio(p2, "otf", "cache"), m2["otf"]
+            how = "encode inside the step"
+        else:
+            def enc():
+                with torch.no_grad():
+                    return dram_host.encode(imgs)
+
+            m2, p2 = compare({"cache": steps["dram"], "enc": enc}, device, args.min_run_time, rounds=3, warmup=1)
+            scale = B * T / n_enc
+            cache_x = statistics.median((c + scale * e) / c for c, e in zip(p2["cache"], p2["enc"]))
+            t_otf = m2["cache"] + scale * m2["enc"]
+            how = f"encode timed on {n_enc} of {B * T} frames, scaled x{scale:g}"
+        fps = {k: B * T / v for k, v in med.items()}
+        raw[size] = {"B": B, "T": T, "median_s": med, "frames_per_s": fps, "dram_over_none": overhead,
+                     "onthefly_s": t_otf, "onthefly_over_cache": cache_x, "onthefly_how": how}
+        rows.append([size, f"{fps['dram']:.0f}", f"{fps['none']:.0f}", f"{overhead:.2f}",
+                     f"{B * T / t_otf:.1f}", f"{cache_x:.1f}", how])
+
+        # activation memory against the window length T (linear in B: a --quick CPU run uses B = 2)
+        mem = []
+        for Tw in Ts:
+            entry = {"T": Tw}
+            for name, h in (("dram", dram_host), ("none", none_host)):
+                fn = make_train_step(h, adamw(h), Bm, Tw, device, g)
+                params = h.trainable_parameters() + list(h.tower.parameters())
+                if device.type == "cuda":
+                    fn()  # warm-up: optimizer state allocated, then measure the peak above what is resident
+                    torch.cuda.synchronize(device)
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    fn()
+                    torch.cuda.synchronize(device)
+                    entry[f"{name}_cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+                nbytes, _ = saved_tensor_bytes(fn, params)
+                entry[f"{name}_saved_bytes"] = nbytes
+            mem.append(entry)
+            mib = lambda b: f"{b / 2**20:.1f}"
+            r = [size, Tw, mib(entry["dram_saved_bytes"]), mib(entry["none_saved_bytes"]),
+                 mib(entry["dram_saved_bytes"] / (Bm * Tw))]
+            if device.type == "cuda":
+                r += [mib(entry["dram_cuda_peak_bytes"]), mib(entry["none_cuda_peak_bytes"])]
+            mrows.append(r)
+        raw[size]["memory_vs_T"] = mem
+        del dram_host, none_host, steps
+    rep.data["part4_training"] = raw
+    rep.section(
+        f"Part 4a: training step frames/s (B = {B}, T = {T}; host.loss + backward + clip + AdamW)",
+        ["host size", "DRAM frames/s (cache)", "none frames/s (cache)", "DRAM time / none time",
+         "DRAM frames/s on the fly", "cache x vs on the fly", "on-the-fly timing"],
+        rows,
+        note="Both read cached features (random tensors of the tower's output shape); 'on the fly' encodes uint8 "
+        "images of the suite's resolution (2 cameras) with the frozen tower inside the step."
+        + (" bf16 autocast as in train.py." if device.type == "cuda" else ""),
+    )
+    head = ["host size", "T", "DRAM saved MiB", "none saved MiB", "DRAM saved MiB / frame"]
+    if device.type == "cuda":
+        head += ["DRAM CUDA peak MiB", "none CUDA peak MiB"]
+    rep.section(
+        f"Part 4b: activation memory of a training step vs TBPTT window T (B = {Bm})",
+        head,
+        mrows,
+        note="saved = bytes of the distinct tensors autograd saves for backward (torch.autograd.graph."
+        "saved_tensors_hooks; parameters excluded, the input window included); tracemalloc does not see torch's "
+        "allocator." + (" CUDA peak = torch.cuda.max_memory_allocated during a step minus what was resident before "
+                        "it (weights, AdamW state, inputs)." if device.type == "cuda" else ""),
+    )
+    for size in HOST_SIZES:
+        rep.target(f"{size}: DRAM training time per frame vs memory=none", raw[size]["dram_over_none"], 1.3, kind="<=")
+        rep.target(f"{size}: feature cache vs on-the-fly encoding, frames/s", raw[size]["onthefly_over_cache"], 10.0)
+
+
+PARTS = {1: part1, 2: part2, 3: part3, 4: part4}
 
 
 def main():
@@ -407,10 +730,8 @@ def main():
     except ValueError:
         p.error(f"--parts: expected comma-separated integers, got {args.parts!r}")
     for k in parts:
-        if k in NOT_YET:
-            p.error(f"--parts: part {k} is not implemented yet: {NOT_YET[k]}")
         if k not in PARTS:
-            p.error(f"--parts: no part {k}; parts are {sorted(PARTS)} (+ {sorted(NOT_YET)} not implemented yet)")
+            p.error(f"--parts: no part {k}; parts are {sorted(PARTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
     if args.min_run_time is None:
@@ -423,14 +744,13 @@ def main():
 
     rep = Report(machine(device))
     print(rep.markdown(), flush=True)
-    for k, why in NOT_YET.items():
-        print(f"part {k}: not implemented yet: {why}")
     t0 = time.perf_counter()
     for k in parts:
         PARTS[k](args, device, rep)
     rep.info["wall_s"] = round(time.perf_counter() - t0, 1)
     rep.info["command"] = "python bench.py " + " ".join(
-        a for a in ["--quick" if args.quick else "", f"--device {args.device}", f"--parts {args.parts}"] if a
+        a for a in ["--quick" if args.quick else "", f"--device {args.device}", f"--parts {args.parts}",
+                    f"--threads {args.threads}" if args.threads else ""] if a
     )
     print(f"\ndone in {rep.info['wall_s']} s")
     if args.out:

@@ -132,6 +132,17 @@ class FrozenTower(nn.Module):
         return h.hexdigest()[:12]
 
 
+def sincos_2d(P, D):
+    """2-D sin-cos position code of a square grid of P tokens (row-major) -> [P, D], entries in [-1, 1]."""
+    side = int(round(math.sqrt(P)))
+    if side * side != P or D % 4:
+        return 0.02 * torch.randn(P, D)  # non-square token layout: plain learned embedding
+    y, x = torch.meshgrid(torch.arange(side, dtype=torch.float32), torch.arange(side, dtype=torch.float32), indexing="ij")
+    freqs = 1.0 / (100.0 ** (torch.arange(D // 4, dtype=torch.float32) / (D // 4)))  # [D/4]
+    ang_y, ang_x = y.reshape(-1, 1) * freqs, x.reshape(-1, 1) * freqs  # [P, D/4] each
+    return torch.cat([ang_y.sin(), ang_y.cos(), ang_x.sin(), ang_x.cos()], 1)  # [P, D]
+
+
 def stack_cameras(images, cameras, device):
     """dict cam -> uint8 [B, H, W, 3] -> uint8 tensor [B * n_cam, H, W, 3] (camera-major within each frame)."""
     missing = [c for c in cameras if c not in images]
@@ -308,6 +319,13 @@ class DiTHost(Host):
         D = self.tower.width
         n_cam = len(cfg.cameras)
         self.cam_embed = nn.Parameter(0.02 * torch.randn(n_cam, 1, D))  # learned camera embedding
+        # learned patch-position embedding, initialised with a 2-D sin-cos grid: attention is permutation
+        # invariant, so the head only knows where a token is if the token says so. Pretrained towers encode it
+        # strongly; a randomly initialised tower (offline tests, the embedded suite) barely does (~0.3% of the
+        # token power), which makes localisation needlessly slow to learn.
+        with torch.no_grad():
+            P = self.tower.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]
+        self.patch_pos = nn.Parameter(sincos_2d(P, D))  # [P, D]
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), D)  # learned instruction token
         mcfg = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=cfg.mem_heads, head_dk=cfg.mem_dk, head_dv=cfg.mem_dv, mixer=cfg.mixer)
         self.memory = DRAMStack(mcfg, cfg.mem_depth) if cfg.memory == "dram" else None
@@ -330,7 +348,8 @@ class DiTHost(Host):
         """feats [B, T, n_cam P, D] -> ({"tokens": Y [B, T, n_cam P + 1, D]}, new_state)."""
         B, T, NP, D = feats.shape
         n_cam = len(self.cfg.cameras)
-        x = feats.to(self.cam_embed.dtype).view(B, T, n_cam, NP // n_cam, D) + self.cam_embed  # [B, T, n_cam, P, D]
+        x = feats.to(self.cam_embed.dtype).view(B, T, n_cam, NP // n_cam, D) + self.cam_embed + self.patch_pos
+        # x: [B, T, n_cam, P, D]
         x = x.reshape(B, T, NP, D)
         lang = self.instr_embed(instr)[:, None, None].expand(B, T, 1, D)  # [B, T, 1, D]
         x = torch.cat([x, lang], 2)  # [B, T, N, D] the frame's token sequence X_t
