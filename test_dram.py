@@ -1367,7 +1367,8 @@ def test_libero_rollout_with_untrained_checkpoint(tmp_path):
                   gripper_states=rng.normal(size=(12, 2)), joint_states=rng.normal(size=(12, 7))) for _ in range(2)]
     data.write_demo_file(tmp_path / "libero_10" / f"{name}_demo.hdf5", instruction, demos)
     ck = train.main(["--suite", "libero_10", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
-                     "--vision", "vit_tiny_patch16_224", "--out", str(tmp_path / "run"), "--steps", "1"] + TINY[2:])
+                     "--vision", "vit_tiny_patch16_224", "--no-pretrained", "--out", str(tmp_path / "run"), "--steps", "1"]
+                    + TINY[2:])
     policy = ev.CheckpointPolicy(str(ck), replan=2)
     rec = RecordingPolicy()
 

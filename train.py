@@ -30,7 +30,7 @@ import data
 from hosts import HostConfig, make_host
 
 # defaults tuned for the embedded memory suite on 2 CPU cores (python train.py, a few minutes)
-DEFAULTS = dict(steps=1500, batch=16, window=16, chunk=4, lr=1e-3)
+DEFAULTS = dict(steps=800, batch=16, window=16, chunk=4, lr=1e-3)
 
 
 def get_args(argv=None):
@@ -45,7 +45,8 @@ def get_args(argv=None):
     p.add_argument("--vision", default=None, help="timm model of the frozen tower (default: vit_tiny_patch16_224, "
                    "vit_small_patch16_224.dino for LIBERO)")
     p.add_argument("--image-size", type=int, default=None, help="tower input size (default 64 memory / 128 LIBERO)")
-    p.add_argument("--pretrained", action="store_true", help="load the tower's pretrained timm weights")
+    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
+                   help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained)")
     p.add_argument("--window", type=int, default=None, help="TBPTT window T (frames)")
     p.add_argument("--chunk", type=int, default=None, help="action chunk length C")
@@ -70,7 +71,7 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
-    p.add_argument("--eval-episodes", type=int, default=20, help="embedded suite: episodes per task evaluated at "
+    p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
     a = p.parse_args(argv)
     for k, v in DEFAULTS.items():
@@ -79,6 +80,7 @@ def get_args(argv=None):
     lib = a.suite != data.MEMORY_SUITE
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
+    a.pretrained = lib if a.pretrained is None else a.pretrained
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
     return a
 
