@@ -23,7 +23,6 @@ the embedded default (vit_tiny_patch16_224 at 64 px, 33 tokens x 192).
 """
 import argparse
 import json
-import math
 import os
 import platform
 import statistics

@@ -31,7 +31,7 @@ Flow-matching convention (paper eq. fm, pi0's data-to-noise direction), stated o
 """
 import hashlib
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass
 
 import timm
 import torch
