@@ -325,6 +325,10 @@ class DRAMLayer(nn.Module):
             self.f_O.weight.zero_()
             self.f_O.bias.zero_()
 
+    # zero the rows of episodes that start: layer.reset_state(state, rows [B] bool); at a TBPTT window boundary
+    # carry `state.detach()` into the next window (gradients stop there, the content does not)
+    reset_state = staticmethod(reset_state)
+
     def init_state(self, batch_size, device=None):
         """S_0 = 0: [B, H, dk, dv] float32 (the persistent state is always fp32, appendix forward solve)."""
         c = self.cfg
@@ -412,6 +416,8 @@ class DRAMStack(nn.Module):
             raise ValueError(f"DRAMStack is shared-source: need d_q == d_k == d_v, got {cfg}")
         self.cfg = cfg
         self.layers = nn.ModuleList([DRAMLayer(cfg) for _ in range(depth)])
+
+    reset_state = staticmethod(reset_state)  # rows [B] of episodes that start -> zero state (all layers)
 
     def init_state(self, batch_size, device=None):
         """[B, L, H, dk, dv] float32 zeros."""

@@ -362,7 +362,7 @@ def test_stack_state_helpers_and_shapes():
     stack = DRAMStack(DRAMConfig(d_q=16, d_k=16, d_v=16, n_heads=2, head_dk=8, head_dv=4), depth=3)
     S = torch.randn(4, 3, 2, 8, 4)
     assert stack.init_state(4).shape == S.shape and stack.init_state(4).dtype == torch.float32
-    out = dram.reset_state(S, torch.tensor([True, False, True, False]))
+    out = stack.reset_state(S, torch.tensor([True, False, True, False]))
     assert (out[0] == 0).all() and (out[2] == 0).all() and torch.equal(out[1], S[1]) and torch.equal(out[3], S[3])
     y, S2 = stack.step(torch.randn(4, 6, 16), S)
     assert y.shape == (4, 6, 16) and S2.shape == S.shape
