@@ -438,23 +438,27 @@ def make_memory_env(task_id, seed, img_size=64):
     return MemorySuiteEnv(task_id, seed, img_size)
 
 
-def evaluate_memory_suite(ckpts, episodes=50, seed=1000, data_root=data.DEFAULT_DATA_ROOT, device="cpu",
-                          reset_every=0, replan=1, num_envs=16, out=None, tasks=None):
+def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_every=0, replan=1, num_envs=16,
+                          out=None, tasks=None):
     """Embedded suite: success per task and suite mean of each checkpoint, side by side with the best success
     any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds default to 1000+, disjoint from the
-    demonstrations' (0). Returns {ckpt: summary}."""
+    demonstrations' (0). Logs go to `out` (one sub-folder per checkpoint when there are several), by default next
+    to each checkpoint. Returns {ckpt: summary}."""
     ids = list(range(len(MEMORY_TASK_NAMES))) if tasks is None else list(tasks)
     task_list = [(i, MEMORY_TASK_NAMES[i], data.MEMORY_TASKS[MEMORY_TASK_NAMES[i]][1]) for i in ids]
     summaries = {}
-    for ck in ckpts:
+    for i, ck in enumerate(map(str, ckpts)):
+        ck_dir = os.path.dirname(os.path.abspath(ck))
+        if out is None:
+            where = os.path.join(ck_dir, f"eval_memory_L{reset_every}")
+        else:
+            where = out if len(ckpts) == 1 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
         policy = CheckpointPolicy(ck, device, replan)
         run = dict(policy=os.path.abspath(ck), seed=seed, reset_every=reset_every, replan=replan)
-        tag = os.path.basename(os.path.dirname(os.path.abspath(ck)))
-        where = out or os.path.join(os.path.dirname(os.path.abspath(ck)), f"eval_memory_L{reset_every}")
         slots = EnvSlots(functools.partial(make_memory_env, seed=seed), num_envs)
         t0 = time.time()
-        summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where if len(ckpts) == 1 or out is None
-                                 else os.path.join(where, tag), run, reset_every=reset_every, quiet=True)
+        summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where, run, reset_every=reset_every,
+                                 quiet=True)
         print(f"evaluated {ck} on the embedded suite: {summaries[ck]['episodes']} episodes in {time.time() - t0:.0f} s")
     print(memory_table(summaries))
     return summaries
@@ -462,8 +466,7 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, data_root=data.DEFAULT_
 
 def memory_table(summaries):
     """One row per embedded task: memoryless ceiling, then the success of each checkpoint."""
-    names = [str(n) for n in summaries]
-    summaries = {str(n): v for n, v in summaries.items()}
+    names = list(summaries)
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
     head = "| task | memoryless ceiling % | " + " | ".join(names) + " |"
     lines = [head, "|---" * (2 + len(names)) + "|"]

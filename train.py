@@ -217,6 +217,9 @@ def main(argv=None):
             if have != want:
                 raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run asks for {want!r}")
     host = make_host(a.host, cfg).to(dev)
+    if ck is not None and ck.get("tower_fingerprint") != host.tower.fingerprint():
+        raise ValueError(f"--resume: {ckpt_path} was trained with other frozen tower weights ({cfg.vision}; check "
+                         f"--pretrained / --weights-file)")
 
     if rank == 0 and world > 1:
         build_episodes(host, files, a, rank)  # fill the cache once
@@ -320,7 +323,7 @@ def main(argv=None):
         import eval as evaluation  # the quick embedded-suite pass, so the first command shows whether memory works
 
         evaluation.evaluate_memory_suite([str(ckpt_path)], episodes=a.eval_episodes, seed=a.seed + 1000,
-                                         data_root=a.data, device=a.device)
+                                         device=a.device)
     return str(ckpt_path)
 
 
