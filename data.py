@@ -558,6 +558,10 @@ class StreamSampler:
 # displacement = SPEED * clip(v) per step, press > 0 is a button press. Objects (big coloured squares) sit near
 # the centres of a 4x4 grid (randomised cells + jitter), which matches a 16-pixel ViT patch grid at 64 px.
 # Views: agentview_rgb = the whole table; eye_in_hand_rgb = a 2x zoom centred on the agent (black off-table).
+# Expert (expert_action): straight to the goal at EXPERT_GAIN of the max speed, DART noise on the executed action.
+# On pad tasks it presses through: after the touch registers (TOUCH_R) it goes on to the target's centre
+# (REACH_R) before heading home, like a person pressing a button firmly rather than grazing it. Turning back at the
+# very edge of the touch radius taught policies to turn back a little early (README, embedded-suite results).
 # State (8-d, STATE_KEYS): ee_states = [x, y, 0, 0, 0, 0] (no height/orientation here: zero-filled),
 # gripper_states = [0, 0] (no gripper: zero-filled). So the state never reveals counts, stages or cues.
 #
@@ -578,9 +582,11 @@ class StreamSampler:
 #    when the policy re-plans on reaching the pad; a chunk running across the pad could carry information from
 #    the end of the previous trip, so evaluate memoryless baselines with a short execution horizon.
 
+MEMORY_SUITE_VERSION = 2  # bump when layouts, rendering or the expert change (older files are then refused)
+MEMORY_EPISODES = 150  # demos per task (generalising to unseen layouts needs them: 50 per task reached 72.5 %, README)
 SPEED = 0.08  # max displacement per step and axis (table = unit square)
 GRID = 4  # object cells per side
-AGENT_R, OBJ_HALF, TOUCH_R, HOME_R = 0.05, 0.075, 0.09, 0.09
+AGENT_R, OBJ_HALF, TOUCH_R, HOME_R, REACH_R = 0.05, 0.075, 0.09, 0.09, 0.03
 CUE_STEPS, FREEZE_STEPS = 2, 8
 EXPERT_GAIN, EXPERT_NOISE = 0.8, 0.15  # cruise at 80% of max speed; DART-style executed-action noise
 COLOURS = dict(red=(225, 45, 45), green=(45, 200, 60), blue=(50, 90, 235), yellow=(235, 210, 40),
@@ -659,6 +665,7 @@ class MemoryEnv:
         self.pos, self.home, self.objs = start.copy(), start.copy(), objs
         self.cue = int(rng.integers(self.p["k"])) if self.family == "cue" else 0
         self.t, self.count, self.armed, self.in_home, self.done, self.success = 0, 0, True, True, False, False
+        self.reached = False  # reached the target's centre since the last touch (used by the expert only)
         return self._obs()
 
     # -- dynamics ------------------------------------------------------------------------------------------
@@ -679,11 +686,13 @@ class MemoryEnv:
                 self._move(a)
                 inside = np.linalg.norm(self.pos - self.home) < HOME_R
                 if inside and not self.in_home:  # entering the pad: snap to its centre, re-arm the target
-                    self.pos, self.armed = self.home.copy(), True
+                    self.pos, self.armed, self.reached = self.home.copy(), True, False
                 self.in_home = inside
                 hit = self._touched()
                 if hit == 0 and self.armed:
                     self.count, self.armed = self.count + 1, False
+                if not self.armed and np.linalg.norm(self.pos - self.objs[0]) < REACH_R:
+                    self.reached = True  # (bookkeeping for the expert; no effect on the task)
                     if self.count > self.p["n"]:
                         self.done = True  # over-count cannot succeed any more
                 elif hit == 1:  # the distractor
@@ -701,11 +710,14 @@ class MemoryEnv:
         return int(d.argmin()) if d.min() < TOUCH_R else None
 
     def expert_action(self):
-        """Noise-free scripted expert: straight to the goal at EXPERT_GAIN speed, slowing down on arrival."""
+        """Noise-free scripted expert: straight to the goal at EXPERT_GAIN speed, slowing down on arrival. On a pad
+        task it presses the button through: it goes on to the target's centre (within REACH_R) after the touch
+        registers, and only then heads home, so a policy that imitates it turns back with a margin of
+        TOUCH_R - REACH_R inside the touch radius rather than at its edge."""
         press = -1.0
         if self.family == "cue":
             goal = self.objs[self.cue]
-        elif self.armed and self.count < self.p["n"]:
+        elif (self.armed and self.count < self.p["n"]) or (not self.armed and not self.reached):
             goal = self.objs[0]
         else:
             goal = self.home
@@ -778,11 +790,13 @@ def rollout_expert(env, seed, noise=EXPERT_NOISE):
     return ep
 
 
-def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=50, img_size=None, seed=0, tasks=None,
+def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size=None, seed=0, tasks=None,
                           overwrite=False, progress=True):
     """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout) for each task; existing files are kept unless
-    overwrite (img_size=None accepts any existing size, 64 px when generating; an explicit size that differs from
-    an existing file's is an error). Every demo is an expert success; a failed expert episode raises."""
+    overwrite. None accepts what an existing file has (n_episodes: MEMORY_EPISODES when generating; img_size: 64);
+    an explicit value that differs from an existing file's, or a file written by an older generator
+    (MEMORY_SUITE_VERSION), is an error that names the file and the command that regenerates it. Every demo is an
+    expert success; a failed expert episode raises."""
     out = []
     for task in tasks or list(MEMORY_TASKS):
         if task not in MEMORY_TASKS:
@@ -791,24 +805,34 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=50, img_size=N
         path = Path(data_root) / MEMORY_SUITE / f"{task}_demo.hdf5"
         out.append(path)
         if path.exists() and not overwrite:
-            if img_size is not None:
-                with h5py.File(path, "r") as f:
-                    have = f["data"].attrs.get("img_size") if "data" in f else None
-                if have is not None and int(have) != img_size:
-                    raise DataError(f"{path}: data.attrs['img_size'] = {have} but img_size={img_size} was asked; "
-                                    f"regenerate with `python data.py --suite memory --img-size {img_size} "
-                                    f"--overwrite` or use another --out")
+            with h5py.File(path, "r") as f:
+                attrs = dict(f["data"].attrs) if "data" in f else {}
+                have = dict(img_size=attrs.get("img_size"), episodes=len(f["data"]) if "data" in f else None,
+                            version=attrs.get("suite_version"))
+            fix = (f"regenerate with `python data.py --suite memory --out {data_root} --overwrite"
+                   f"{'' if n_episodes is None else f' --episodes {n_episodes}'}"
+                   f"{'' if img_size is None else f' --img-size {img_size}'}` or use another data root")
+            if have["version"] != MEMORY_SUITE_VERSION:
+                raise DataError(f"{path} was written by an older version of the embedded suite (suite_version "
+                                f"{have['version']}, this code writes {MEMORY_SUITE_VERSION}); {fix}")
+            if img_size is not None and have["img_size"] is not None and int(have["img_size"]) != img_size:
+                raise DataError(f"{path}: data.attrs['img_size'] = {have['img_size']} but img_size={img_size} was "
+                                f"asked; {fix}")
+            if n_episodes is not None and have["episodes"] != n_episodes:
+                raise DataError(f"{path} holds {have['episodes']} demos but {n_episodes} were asked (--episodes); "
+                                f"{fix}")
             continue
+        n_gen = MEMORY_EPISODES if n_episodes is None else n_episodes
         size = 64 if img_size is None else img_size
         env = MemoryEnv(task, img_size=size)
         eps = []
-        for i in tqdm(range(n_episodes), desc=f"memory/{task}", disable=not progress, leave=False):
+        for i in tqdm(range(n_gen), desc=f"memory/{task}", disable=not progress, leave=False):
             ep = rollout_expert(env, seed=[seed, ti, i])
             if not ep["success"]:
                 raise RuntimeError(f"scripted expert failed on {task} episode {i} (seed {[seed, ti, i]})")
             eps.append(ep)
         write_demo_file(path, env.instruction, eps, env_name=f"MemoryEnv/{task}",
-                        attrs={"img_size": size, "seed": seed,
+                        attrs={"img_size": size, "seed": seed, "suite_version": MEMORY_SUITE_VERSION,
                                "memoryless_ceiling": MEMORYLESS_CEILING[task], "max_steps": env.max_steps})
     return out
 
@@ -821,7 +845,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", default=MEMORY_SUITE, choices=SUITES)
     ap.add_argument("--out", "--data-root", dest="root", default=DEFAULT_DATA_ROOT, help="data root")
-    ap.add_argument("--episodes", type=int, default=50, help="memory suite: demos per task")
+    ap.add_argument("--episodes", type=int, default=None, help=f"memory suite: demos per task (default "
+                    f"{MEMORY_EPISODES})")
     ap.add_argument("--img-size", type=int, default=None, help="memory suite: rendered image size (default 64)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overwrite", action="store_true", help="memory suite: regenerate existing files")

@@ -837,6 +837,32 @@ def test_memory_expert_succeeds(task):
     assert 0 < data.MEMORYLESS_CEILING[task] < 0.5
 
 
+def test_memory_expert_presses_through():
+    """Pad tasks: the expert keeps going after the touch registers (within TOUCH_R) until it is within REACH_R of
+    the target's centre, and only then turns home, on every trip; the task outcome is unaffected."""
+    pressed_through = False
+    for task, seed in [(task, seed) for task in ("round_trip_red", "count_3") for seed in range(6)]:
+        env = data.MemoryEnv(task)
+        env.reset(seed=seed)
+        target, log, done, success = env.objs[0], [], False, False
+        while not done:
+            a = env.expert_action()
+            count_before, toward = env.count, a[:2] @ (target - env.pos)
+            _, success, done = env.step(a)
+            # (distance after the step, did this step touch, was the step aimed at the target?)
+            log.append((np.linalg.norm(env.pos - target), env.count > count_before, toward))
+        assert success and env.count == env.p["n"]
+        touches = [t for t, (_, hit, _) in enumerate(log) if hit]
+        assert len(touches) == env.p["n"]
+        for t in touches:
+            assert log[t][0] < data.TOUCH_R < log[t - 1][0]  # the touch registers on entering TOUCH_R
+            reach = next(u for u in range(t, len(log)) if log[u][0] < data.REACH_R)  # the centre is reached...
+            assert all(log[u][2] > 0 for u in range(t + 1, reach + 1))  # ...moving on towards it after the touch
+            assert log[reach + 1][0] > log[reach][0]  # and only then does it turn back
+            pressed_through |= reach > t
+    assert pressed_through  # at least one touch registered before the centre was reached
+
+
 def test_memory_hidden_variable_not_observable():
     # cue: after the cue frames, every cue gives the same frame for the same layout (the 1/K argument)
     env = data.MemoryEnv("cue_colour")
@@ -895,6 +921,13 @@ def test_memory_suite_files_read_back(tmp_path):
     assert files[0].stat().st_mtime_ns == mtime  # written once, then reused
     with pytest.raises(data.DataError, match=r"count_2_demo.hdf5: data.attrs\['img_size'\] = 64 but img_size=96"):
         data.find_demo_files(tmp_path, "memory", img_size=96, tasks=["count_2"], progress=False)
+    with pytest.raises(data.DataError, match=r"count_2_demo.hdf5 holds 2 demos but 3 were asked .*--overwrite "
+                                             r"--episodes 3"):
+        data.find_demo_files(tmp_path, "memory", n_episodes=3, tasks=["count_2"], progress=False)
+    with h5py.File(files[0], "r+") as f:  # a file from an older generator (other expert / layouts) is refused
+        f["data"].attrs["suite_version"] = data.MEMORY_SUITE_VERSION - 1
+    with pytest.raises(data.DataError, match=r"count_2_demo.hdf5 was written by an older version"):
+        data.find_demo_files(tmp_path, "memory", tasks=["count_2"], progress=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
