@@ -57,7 +57,8 @@ def get_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--episodes", type=int, default=50, help="embedded suite: demos per task (generated once)")
+    p.add_argument("--episodes", type=int, default=None, help="embedded suite: demos per task, generated once "
+                   f"(default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
     p.add_argument("--mem-depth", type=int, default=None, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
     p.add_argument("--mem-heads", type=int, default=4)
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
@@ -322,8 +323,9 @@ def main(argv=None):
     if rank == 0 and step >= a.steps and a.suite == data.MEMORY_SUITE and a.eval_episodes > 0:
         import eval as evaluation  # the quick embedded-suite pass, so the first command shows whether memory works
 
+        # own log folder: eval.py's default folder (next to the checkpoint) stays free for the full evaluation
         evaluation.evaluate_memory_suite([str(ckpt_path)], episodes=a.eval_episodes, seed=a.seed + 1000,
-                                         device=a.device)
+                                         device=a.device, out=str(out / "eval_quick"))
     return str(ckpt_path)
 
 
