@@ -691,12 +691,12 @@ class MemoryEnv:
                 hit = self._touched()
                 if hit == 0 and self.armed:
                     self.count, self.armed = self.count + 1, False
-                if not self.armed and np.linalg.norm(self.pos - self.objs[0]) < REACH_R:
-                    self.reached = True  # (bookkeeping for the expert; no effect on the task)
                     if self.count > self.p["n"]:
                         self.done = True  # over-count cannot succeed any more
                 elif hit == 1:  # the distractor
                     self.done = True
+                if not self.armed and np.linalg.norm(self.pos - self.objs[0]) < REACH_R:
+                    self.reached = True  # (bookkeeping for the expert; no effect on the task)
         self.t += 1
         if self.t >= self.max_steps:
             self.done = True

@@ -894,6 +894,18 @@ def test_memory_env_failures():
     env.reset(seed=0)
     _, success, done = env.step([0, 0, 1])  # pressing the pad before the trip
     assert done and not success
+    for armed_count, distractor in [(1, False), (0, True)]:
+        env = data.MemoryEnv("round_trip_red")  # n = 1
+        env.reset(seed=0)
+        obj = env.objs[1 if distractor else 0]
+        u = np.array([np.sign(0.5 - obj[0]), 0.0])  # approach from the side of the table's centre
+        env.pos, env.in_home = obj + 0.12 * u, False  # outside the touch radius ...
+        env.count, env.armed = armed_count, True
+        _, success, done = env.step([*(-0.5 * u), -1])  # ... one step of 0.04 lands at 0.08: a touch, off-centre
+        assert np.linalg.norm(env.pos - obj) > data.REACH_R
+        assert done and not success, (armed_count, distractor)  # a second counted touch / the distractor ends it
+        if not distractor:
+            assert env.count == 2
     env = data.MemoryEnv("cue_location")
     env.reset(seed=0)
     env.pos = env.objs[(env.cue + 1) % 3].copy()  # stand next to a wrong block
