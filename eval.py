@@ -564,6 +564,10 @@ def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame
     if len(have) and todo:
         print(f"resuming {log_path}: {len(logged)} episodes logged, {len(todo)} to run")
     names = {t: name for t, name, _ in tasks}
+    # the flow-matching noise of the action expert comes from torch's global RNG, whose start seed differs from
+    # process to process: seed it, so the same command gives the same episodes (a resumed log continues with a
+    # different noise stream than an uninterrupted run would have)
+    torch.manual_seed(run["seed"])
 
     def on_done(rec, frames):
         rec = dict(suite=suite, task=names[rec["task_id"]], **run, **rec)

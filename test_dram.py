@@ -1109,6 +1109,30 @@ class BadActionPolicy(RecordingPolicy):
         return np.zeros((len(frames), 3))  # ToyEnv asserts a 7-dim action
 
 
+class TorchNoisePolicy(RecordingPolicy):
+    """Draws its actions from torch's global RNG, as CheckpointPolicy's flow-matching noise does."""
+
+    def act(self, frames, instructions):
+        super().act(frames, instructions)
+        a = torch.rand(len(frames), 7)
+        self.draws.append(a)
+        return a.numpy()
+
+
+def test_evaluate_seeds_the_action_noise(tmp_path):
+    """The same evaluation twice (fresh processes start torch's RNG at different seeds) gives the same actions."""
+    tasks = [(0, "toy0", "toy task 0")]
+    draws = []
+    for i, seed in enumerate([7, 7, 8]):
+        torch.manual_seed(1000 + i)  # whatever state the process happens to be in
+        policy = TorchNoisePolicy()
+        policy.draws = []
+        ev.evaluate("toy", tasks, 2, policy, ev.EnvSlots(ToyEnv, 2), str(tmp_path / str(i)),
+                    dict(policy="noise", seed=seed, reset_every=0), frame_fn=identity, quiet=True)
+        draws.append(torch.cat(policy.draws))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
 def test_jsonl_resume_and_guards(tmp_path):
     tasks = [(0, "toy0", "toy task 0"), (1, "toy1", "toy task 1")]
     run = dict(policy="rec", seed=7, reset_every=0)
