@@ -583,7 +583,7 @@ class StreamSampler:
 #    the end of the previous trip, so evaluate memoryless baselines with a short execution horizon.
 
 MEMORY_SUITE_VERSION = 2  # bump when layouts, rendering or the expert change (older files are then refused)
-MEMORY_EPISODES = 150  # demos per task (generalising to unseen layouts needs them: 50 per task reached 72.5 %, README)
+MEMORY_EPISODES = 150  # demos per task (with 50 the policies generalised clearly worse to unseen layouts, README)
 SPEED = 0.08  # max displacement per step and axis (table = unit square)
 GRID = 4  # object cells per side
 AGENT_R, OBJ_HALF, TOUCH_R, HOME_R, REACH_R = 0.05, 0.075, 0.09, 0.09, 0.03
