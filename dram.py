@@ -380,6 +380,9 @@ class DRAMLayer(nn.Module):
         y = self.fuse(x_q, R, q_mask)  # eq. (fuse)
         fv = None if frame_valid is None else frame_valid[:, None].expand_as(gamma)  # [B, H]
         new_state = joint_write(state, K, V, w, gamma, fv)  # eq. (correction)
+        if frame_valid is not None:  # padded frames pass through: no read, no write (as in forward)
+            R = R * frame_valid[:, None, None].to(R.dtype)
+            y = torch.where(frame_valid[:, None, None], y, x_q)
         return y, R, new_state
 
     def forward(self, x_q, x_k, x_v, state, q_mask=None, kv_mask=None, frame_valid=None):
@@ -387,9 +390,17 @@ class DRAMLayer(nn.Module):
 
         Projections, gates, Gram matrices and Cholesky factors of all T frames are computed in one batched pass,
         only the state recurrence runs frame by frame, then all T reads happen in one batched matmul.
-        Equals T calls of `step`. Returns (y [B, T, M, D_Q], readout [B, T, M, H dv], final state [B, H, dk, dv])."""
+        Equals T calls of `step`. Returns (y [B, T, M, D_Q], readout [B, T, M, H dv], final state [B, H, dk, dv]).
+
+        Padded frames (frame_valid False, past the end of an episode) pass through: no read (R = 0), no write,
+        y = x_q. Only the valid frames are projected and fused (in training ~20% of the frames are padding)."""
         B, T, M, _ = x_q.shape
-        Q, K, V, w, gamma = self.project(x_q, x_k, x_v, kv_mask)  # Q [B, T, H, M, dk], ..., gamma [B, T, H]
+        sel = None if frame_valid is None or bool(frame_valid.all()) else frame_valid  # [B, T] bool
+        if sel is None:
+            Q, K, V, w, gamma = self.project(x_q, x_k, x_v, kv_mask)  # Q [B, T, H, M, dk], ..., gamma [B, T, H]
+        else:  # project the F valid frames, then scatter into [B, T, ...] with zeros in the padded frames
+            proj = self.project(x_q[sel], x_k[sel], x_v[sel], None if kv_mask is None else kv_mask[sel])  # [F, ...]
+            Q, K, V, w, gamma = (p.new_zeros(B, T, *p.shape[1:]).index_put((sel,), p) for p in proj)
         fv = None if frame_valid is None else frame_valid[:, None, :].expand(B, gamma.shape[-1], T)  # [B, H, T]
         states = joint_write_window(
             state,
@@ -401,8 +412,11 @@ class DRAMLayer(nn.Module):
         )  # [B, H, T, dk, dv]: S_1 .. S_T
         prev = torch.cat([state[:, :, None], states[:, :, :-1]], 2)  # [B, H, T, dk, dv]: S_0 .. S_{T-1}
         R = read(Q.transpose(1, 2), prev)  # [B, H, T, M, dv]  eq. (read), pre-update states
-        R = R.permute(0, 2, 3, 1, 4).reshape(B, T, M, -1)  # [B, T, M, H dv]
-        y = self.fuse(x_q, R, q_mask)
+        R = R.permute(0, 2, 3, 1, 4).reshape(B, T, M, -1)  # [B, T, M, H dv]  (0 in padded frames: Q = 0)
+        if sel is None:
+            y = self.fuse(x_q, R, q_mask)
+        else:
+            y = x_q.index_put((sel,), self.fuse(x_q[sel], R[sel], None if q_mask is None else q_mask[sel]))
         return y, R, states[:, :, -1]
 
 

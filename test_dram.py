@@ -314,6 +314,8 @@ def test_window_forward_equals_step_loop_with_masks_and_grads():
             Rs.append(Rt)
         close = lambda a, b: ((a - b).abs().max() / b.abs().max()).item() < 1e-12  # float64, relative
         assert close(y, torch.stack(ys, 1)) and close(R, torch.stack(Rs, 1)) and close(S_T, S)
+        # padded frames pass through: no read, y = x_q (only valid frames are projected and fused)
+        assert torch.equal(y[0, 4:], xq[0, 4:]) and not R[0, 4:].any() and R[0, 1:4].abs().sum() > 0
         # gradients agree too (the window backward runs the adjoint recurrence in reverse time)
         g1 = torch.autograd.grad((y.pow(2).sum() + S_T.sum()), list(layer.parameters()), allow_unused=True)
         g2 = torch.autograd.grad((torch.stack(ys, 1).pow(2).sum() + S.sum()), list(layer.parameters()), allow_unused=True)
