@@ -1357,6 +1357,20 @@ def test_resume_is_exact(tmp_path):
         tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--memory", "none")
 
 
+def test_memory_lr_multiplier(tmp_path):
+    """--mem-lr-mult scales the peak lr of the DRAM layers only: at 0 they keep their initial weights exactly
+    (AdamW's decoupled weight decay is lr-scaled too) while the rest of the policy trains."""
+    ck = torch.load(tiny_train(tmp_path, "a", "--steps", "3", "--mem-lr-mult", "0"), weights_only=False)
+    torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
+    init = make_host("dit", HostConfig(**ck["config"])).state_dict()
+    mem = [k for k in ck["model"] if k.startswith("memory.")]
+    rest = [k for k in ck["model"] if not k.startswith("memory.")]
+    assert mem and rest
+    assert all(torch.equal(ck["model"][k], init[k]) for k in mem)
+    assert not all(torch.equal(ck["model"][k], init[k]) for k in rest)
+    assert sorted(g["lr_mult"] for g in ck["optimizer"]["param_groups"]) == [0.0, 0.0, 1.0, 1.0]
+
+
 def test_ddp_two_processes_gloo(tmp_path):
     """torchrun with 2 CPU processes (gloo): each rank its own streams, gradients all-reduced, weights in sync."""
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
