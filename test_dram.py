@@ -1355,6 +1355,11 @@ def test_resume_is_exact(tmp_path):
     assert torch.equal(wa["mem_state"][0], wb["mem_state"][0]) and wa["sampler"] == wb["sampler"]
     with pytest.raises(ValueError, match="memory='dram'"):
         tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--memory", "none")
+    ck = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)  # as written before --mem-lr-mult existed
+    ck["optimizer"]["param_groups"] = ck["optimizer"]["param_groups"][:2]
+    torch.save(ck, tmp_path / "b" / "ckpt.pt")
+    with pytest.raises(ValueError, match="older train.py"):
+        tiny_train(tmp_path, "b", "--steps", "12", "--resume")
 
 
 def test_memory_lr_multiplier(tmp_path):

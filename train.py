@@ -239,7 +239,7 @@ def main(argv=None):
     no_decay = [p for p in params if p.dim() < 2]
     # the memory's own parameters (DRAM layers: projections, gates, fuse) may take a multiple of the peak lr
     # (--mem-lr-mult); everything else (adapters, embeddings, action head) takes --lr
-    mem = {id(p) for p in host.memory.parameters()} if getattr(host, "memory", None) is not None else set()
+    mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
     groups = [dict(params=[p for p in ps if (id(p) in mem) == is_mem], weight_decay=wd,
                    lr_mult=a.mem_lr_mult if is_mem else 1.0)
               for is_mem in (False, True) for ps, wd in ((decay, a.weight_decay), (no_decay, 0.0))]
@@ -248,7 +248,13 @@ def main(argv=None):
     step = 0
     if ck is not None:
         host.load_state_dict(ck["model"], strict=False)
+        if len(ck["optimizer"]["param_groups"]) != len(opt.param_groups):
+            raise ValueError(f"--resume: {ckpt_path} was written by an older train.py (other optimizer parameter "
+                             f"groups); start a new run with another --out")
+        mults = [g["lr_mult"] for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
+        for g, m in zip(opt.param_groups, mults):  # this run's --mem-lr-mult, not the saved one
+            g["lr_mult"] = m
         sampler.load_state_dict(ck["sampler"][rank])
         mem_state = ck["mem_state"][rank].to(dev)
         torch.set_rng_state(ck["rng"][rank]["torch"])
