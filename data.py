@@ -582,8 +582,14 @@ class StreamSampler:
 #    when the policy re-plans on reaching the pad; a chunk running across the pad could carry information from
 #    the end of the previous trip, so evaluate memoryless baselines with a short execution horizon.
 
-MEMORY_SUITE_VERSION = 2  # bump when layouts, rendering or the expert change (older files are then refused)
-MEMORY_EPISODES = 150  # demos per task (with 50 the policies generalised clearly worse to unseen layouts, README)
+# Cue tasks are counterbalanced: every training layout is shown with each of its K cues, so that in the
+# demonstrations the layout says nothing about the cue. With one random cue per layout (version 2) the 150 training
+# layouts each had one right answer, which a policy can memorise without memory: the memoryless baseline reached
+# 45 % on cue_location's training layouts (ceiling 33 %), and a DRAM policy 87.5 % there against 60 % on new
+# layouts (README, embedded-suite results).
+MEMORY_SUITE_VERSION = 3  # bump when layouts, rendering or the expert change (older files are then refused)
+MEMORY_EPISODES = 150  # demos per task (cue tasks: 50 layouts x 3 cues); with 50 demos per task the policies
+# generalised clearly worse to unseen layouts (README)
 SPEED = 0.08  # max displacement per step and axis (table = unit square)
 GRID = 4  # object cells per side
 AGENT_R, OBJ_HALF, TOUCH_R, HOME_R, REACH_R = 0.05, 0.075, 0.09, 0.09, 0.03
@@ -640,7 +646,8 @@ class MemoryEnv:
         c = np.stack([idx % GRID, idx // GRID], 1) + 0.5  # [n, 2] cell centres in cell units
         return c / GRID + rng.uniform(-0.03, 0.03, (n, 2))  # [n, 2] world
 
-    def reset(self, seed=None):
+    def reset(self, seed=None, cue=None):
+        """New episode: layout (and cue) from `seed`; `cue` in [0, K) overrides the drawn cue of a cue task."""
         rng = self.rng if seed is None else np.random.default_rng(seed)
         for _ in range(1000):  # rejection sampling: expert paths must clear every other object
             if self.family == "cue":
@@ -664,6 +671,10 @@ class MemoryEnv:
             raise RuntimeError(f"{self.task}: could not sample a layout")
         self.pos, self.home, self.objs = start.copy(), start.copy(), objs
         self.cue = int(rng.integers(self.p["k"])) if self.family == "cue" else 0
+        if cue is not None:
+            if self.family != "cue" or not 0 <= cue < self.p["k"]:
+                raise ValueError(f"{self.task}: cue={cue} (only cue tasks take a cue, in [0, {self.p.get('k')}))")
+            self.cue = int(cue)
         self.t, self.count, self.armed, self.in_home, self.done, self.success = 0, 0, True, True, False, False
         self.reached = False  # reached the target's centre since the last touch (used by the expert only)
         return self._obs()
@@ -771,11 +782,11 @@ class MemoryEnv:
                 "gripper_states": np.zeros(2, np.float64)}
 
 
-def rollout_expert(env, seed, noise=EXPERT_NOISE):
+def rollout_expert(env, seed, noise=EXPERT_NOISE, cue=None):
     """One expert episode (DART: executes action + noise, records the clean expert action).
     Returns dict of stacked raw obs [T,...], actions [T,3], success."""
-    rng = np.random.default_rng([seed, 1])
-    obs, frames, acts = env.reset(seed=seed), [], []
+    rng = np.random.default_rng([seed, 1 if cue is None else 2 + cue])
+    obs, frames, acts = env.reset(seed=seed, cue=cue), [], []
     done, success = False, False
     while not done:
         a = env.expert_action()  # [3]
@@ -827,9 +838,11 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
         env = MemoryEnv(task, img_size=size)
         eps = []
         for i in tqdm(range(n_gen), desc=f"memory/{task}", disable=not progress, leave=False):
-            ep = rollout_expert(env, seed=[seed, ti, i])
+            # cue tasks: K consecutive demos share a layout and show each cue once (see MEMORY_SUITE_VERSION)
+            layout, cue = ([seed, ti, i // env.p["k"]], i % env.p["k"]) if env.family == "cue" else ([seed, ti, i], None)
+            ep = rollout_expert(env, seed=layout, cue=cue)
             if not ep["success"]:
-                raise RuntimeError(f"scripted expert failed on {task} episode {i} (seed {[seed, ti, i]})")
+                raise RuntimeError(f"scripted expert failed on {task} episode {i} (layout seed {layout}, cue {cue})")
             eps.append(ep)
         write_demo_file(path, env.instruction, eps, env_name=f"MemoryEnv/{task}",
                         attrs={"img_size": size, "seed": seed, "suite_version": MEMORY_SUITE_VERSION,

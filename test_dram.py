@@ -916,6 +916,31 @@ def test_memory_env_failures():
     assert done and not success
 
 
+def test_memory_suite_cues_are_counterbalanced(tmp_path):
+    """Cue tasks: K consecutive demos share one layout and show each cue once, so the layout of a training demo
+    says nothing about its cue (a memoryless policy cannot memorise layout -> cue)."""
+    K = data.MEMORY_TASKS["cue_location"][2]["k"]
+    (f,) = data.find_demo_files(tmp_path, "memory", n_episodes=2 * K, tasks=["cue_location"], progress=False)
+    _, demos = data.read_demo_file(f)
+    ti = list(data.MEMORY_TASKS).index("cue_location")
+    env = data.MemoryEnv("cue_location")
+    for g in range(2):
+        group = demos[g * K:(g + 1) * K]
+        after_cue = [d.images["agentview_rgb"][data.CUE_STEPS] for d in group]  # the cue is gone, nothing moved yet
+        assert all(np.array_equal(after_cue[0], x) for x in after_cue[1:])  # one layout
+        for k, d in enumerate(group):  # each cue once: demo g K + k is layout g with cue k
+            env.reset(seed=[0, ti, g], cue=k)
+            assert np.array_equal(d.images["agentview_rgb"][0], env.render()[0])
+            final = d.state[-1, :2] + data.SPEED * d.actions[-1, :2]  # where the last (clean) action leads
+            assert np.linalg.norm(env.objs - final, axis=1).argmin() == k  # the expert went to the cued block
+        firsts = [d.images["agentview_rgb"][0] for d in group]
+        assert not any(np.array_equal(firsts[i], firsts[j]) for i in range(K) for j in range(i + 1, K))
+    assert not np.array_equal(demos[0].images["agentview_rgb"][data.CUE_STEPS],
+                              demos[K].images["agentview_rgb"][data.CUE_STEPS])  # next group: a new layout
+    with pytest.raises(ValueError, match="cue"):
+        data.MemoryEnv("count_2").reset(seed=0, cue=1)
+
+
 def test_memory_suite_files_read_back(tmp_path):
     files = data.find_demo_files(tmp_path, "memory", n_episodes=2, tasks=["cue_colour", "count_2"], progress=False)
     assert [f.name for f in files] == ["count_2_demo.hdf5", "cue_colour_demo.hdf5"]
@@ -924,7 +949,7 @@ def test_memory_suite_files_read_back(tmp_path):
         instr, demos = data.read_demo_file(f)
         assert instr == data.MEMORY_TASKS[task][1] and len(demos) == 2
         env = data.MemoryEnv(task)
-        env.reset(seed=[0, ti, 0])  # the generator's seed of episode 0
+        env.reset(seed=[0, ti, 0], cue=0 if task == "cue_colour" else None)  # the generator's episode 0
         glob, ego = env.render()
         assert np.array_equal(demos[0].images["agentview_rgb"][0], glob)  # upright after the shared rotation
         assert np.array_equal(demos[0].images["eye_in_hand_rgb"][0], ego)
