@@ -672,8 +672,10 @@ class MemoryEnv:
         self.pos, self.home, self.objs = start.copy(), start.copy(), objs
         self.cue = int(rng.integers(self.p["k"])) if self.family == "cue" else 0
         if cue is not None:
-            if self.family != "cue" or not 0 <= cue < self.p["k"]:
-                raise ValueError(f"{self.task}: cue={cue} (only cue tasks take a cue, in [0, {self.p.get('k')}))")
+            if self.family != "cue":
+                raise ValueError(f"{self.task}: cue={cue} given, but only the cue tasks have a cue")
+            if not 0 <= cue < self.p["k"]:
+                raise ValueError(f"{self.task}: cue={cue} out of range [0, {self.p['k']})")
             self.cue = int(cue)
         self.t, self.count, self.armed, self.in_home, self.done, self.success = 0, 0, True, True, False, False
         self.reached = False  # reached the target's centre since the last touch (used by the expert only)

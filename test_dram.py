@@ -937,8 +937,10 @@ def test_memory_suite_cues_are_counterbalanced(tmp_path):
         assert not any(np.array_equal(firsts[i], firsts[j]) for i in range(K) for j in range(i + 1, K))
     assert not np.array_equal(demos[0].images["agentview_rgb"][data.CUE_STEPS],
                               demos[K].images["agentview_rgb"][data.CUE_STEPS])  # next group: a new layout
-    with pytest.raises(ValueError, match="cue"):
+    with pytest.raises(ValueError, match="only the cue tasks"):
         data.MemoryEnv("count_2").reset(seed=0, cue=1)
+    with pytest.raises(ValueError, match="out of range"):
+        env.reset(seed=0, cue=K)
 
 
 def test_memory_suite_files_read_back(tmp_path):
