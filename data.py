@@ -840,8 +840,9 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
         env = MemoryEnv(task, img_size=size)
         eps = []
         for i in tqdm(range(n_gen), desc=f"memory/{task}", disable=not progress, leave=False):
-            # cue tasks: K consecutive demos share a layout and show each cue once (see MEMORY_SUITE_VERSION)
-            layout, cue = ([seed, ti, i // env.p["k"]], i % env.p["k"]) if env.family == "cue" else ([seed, ti, i], None)
+            layout, cue = [seed, ti, i], None
+            if env.family == "cue":  # K consecutive demos share a layout, each with its own cue (MEMORY_SUITE_VERSION)
+                layout, cue = [seed, ti, i // env.p["k"]], i % env.p["k"]
             ep = rollout_expert(env, seed=layout, cue=cue)
             if not ep["success"]:
                 raise RuntimeError(f"scripted expert failed on {task} episode {i} (layout seed {layout}, cue {cue})")
