@@ -35,6 +35,7 @@ summary.json, results.md (the markdown table that is also printed), videos/ with
 """
 import argparse
 import functools
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -379,6 +380,10 @@ class CheckpointPolicy:
 
         self.host, ck = load_checkpoint(ckpt, device)
         self.stats, self.device = ck["stats"], torch.device(device)
+        # the file's content identifies the policy in episode logs: a checkpoint retrained at the same path must not
+        # resume the old one's episodes
+        with open(ckpt, "rb") as f:
+            self.sha1 = hashlib.sha1(f.read()).hexdigest()[:16]
         cfg = self.host.cfg
         if not 1 <= replan <= cfg.chunk:
             raise ValueError(f"--replan {replan} must be in [1, chunk = {cfg.chunk}] for {ckpt}")
@@ -454,7 +459,8 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
         else:
             where = out if len(ckpts) == 1 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
         policy = CheckpointPolicy(ck, device, replan)
-        run = dict(policy=os.path.abspath(ck), seed=seed, reset_every=reset_every, replan=replan)
+        run = dict(policy=os.path.abspath(ck), checkpoint_sha1=policy.sha1, seed=seed, reset_every=reset_every,
+                   replan=replan)
         slots = EnvSlots(functools.partial(make_memory_env, seed=seed), num_envs)
         t0 = time.time()
         summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where, run, reset_every=reset_every,
@@ -507,6 +513,13 @@ def check_resumable(records, run, path):
     """Every logged episode must come from the same run settings, or the table would mix two experiments."""
     for r in records:
         for k, v in run.items():
+            if r.get(k) is None and k == "checkpoint_sha1":
+                raise ValueError(f"{path} holds episodes logged without the checkpoint's sha1 (by an older eval.py), "
+                                 f"so they may come from another file; pass another --out or delete the log")
+            if r.get(k) != v and k == "checkpoint_sha1":
+                raise ValueError(f"{path} holds episodes of another checkpoint file at {run.get('policy')} (sha1 "
+                                 f"{r.get(k)}, now {v}): it was retrained or replaced since; pass another --out "
+                                 f"or delete the log")
             if r.get(k) != v:
                 raise ValueError(f"{path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
                                  f"pass another --out (or delete the log) instead of mixing runs")
@@ -648,6 +661,8 @@ def main(argv=None):
         max_steps = args.max_steps or LIBERO_MAX_STEPS[suite]
         run = dict(policy=name, seed=args.seed, reset_every=args.reset_every, image_size=args.image_size,
                    max_steps=max_steps, replan=args.replan)
+        if args.ckpt:
+            run["checkpoint_sha1"] = policy.sha1
         make_env = functools.partial(make_libero_env, suite=suite, seed=args.seed, image_size=args.image_size,
                                      max_steps=max_steps)
         slots = EnvSlots(make_env, args.num_envs, processes=args.num_envs > 1)

@@ -7,6 +7,7 @@ Run: python -m pytest -q
 import functools
 import io
 import json
+import shutil
 import math
 import os
 import subprocess
@@ -1471,6 +1472,27 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
         ev.evaluate_memory_suite([ck], episodes=3, tasks=[0, 2], out=str(out), reset_every=4)
     table = ev.memory_table({"dram": again[ck], "copy": again[ck]})
     assert "memoryless ceiling" in table and "| cue_colour | 33.3 |" in table
+    # a checkpoint retrained (here: changed) at the same path never resumes the old one's episodes
+    mine, out2 = tmp_path / "ckpt.pt", str(tmp_path / "ev2")
+    shutil.copy(ck, mine)
+    ev.evaluate_memory_suite([str(mine)], episodes=1, tasks=[0], out=out2, num_envs=1)
+    c = torch.load(mine, weights_only=False)
+    name = next(iter(c["model"]))
+    c["model"][name] = c["model"][name] + 1.0
+    torch.save(c, mine)
+    with pytest.raises(ValueError, match="holds episodes of another checkpoint file"):
+        ev.evaluate_memory_suite([str(mine)], episodes=1, tasks=[0], out=out2, num_envs=1)
+
+
+def test_train_quick_eval_is_redone_for_a_new_run(tmp_path):
+    """train.py's closing quick evaluation logs under <out>/eval_quick; training again into the same --out
+    evaluates the new checkpoint instead of failing on (or resuming) the old run's log."""
+    ck = tiny_train(tmp_path, "run", "--steps", "2", "--eval-episodes", "1")
+    log = tmp_path / "run" / "eval_quick" / "episodes.jsonl"
+    first = {json.loads(l)["checkpoint_sha1"] for l in log.read_text().splitlines()}
+    tiny_train(tmp_path, "run", "--steps", "2", "--eval-episodes", "1", "--seed", "1")
+    recs = [json.loads(l) for l in log.read_text().splitlines()]
+    assert len(recs) == 6 and {r["checkpoint_sha1"] for r in recs} == {ev.CheckpointPolicy(ck).sha1} != first
 
 
 def test_libero_rollout_with_untrained_checkpoint(tmp_path):

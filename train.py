@@ -337,7 +337,9 @@ def main(argv=None):
     if rank == 0 and step >= a.steps and a.suite == data.MEMORY_SUITE and a.eval_episodes > 0:
         import eval as evaluation  # the quick embedded-suite pass, so the first command shows whether memory works
 
-        # own log folder: eval.py's default folder (next to the checkpoint) stays free for the full evaluation
+        # own log folder: eval.py's default folder (next to the checkpoint) stays free for the full evaluation;
+        # the quick pass always evaluates this run's checkpoint afresh (a log of an earlier run here is dropped)
+        (out / "eval_quick" / "episodes.jsonl").unlink(missing_ok=True)
         evaluation.evaluate_memory_suite([str(ckpt_path)], episodes=a.eval_episodes, seed=a.seed + 1000,
                                          device=a.device, out=str(out / "eval_quick"))
     return str(ckpt_path)
