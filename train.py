@@ -58,7 +58,9 @@ def get_args(argv=None):
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--mem-lr-mult", type=float, default=1.0, help="peak lr of the memory layers = this x --lr")
+    # 2 since the seed study in README: over 7 seeds (3 CPU, 4 GPU) the DRAM layers at twice the peak lr averaged
+    # 85.5 % on the embedded suite against 78.2 % at 1x, mostly through cue_location
+    p.add_argument("--mem-lr-mult", type=float, default=2.0, help="peak lr of the memory layers = this x --lr")
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--episodes", type=int, default=None, help="embedded suite: demos per task, generated once "
                    f"(default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
