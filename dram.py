@@ -399,7 +399,11 @@ class DRAMLayer(nn.Module):
         if sel is None:
             Q, K, V, w, gamma = self.project(x_q, x_k, x_v, kv_mask)  # Q [B, T, H, M, dk], ..., gamma [B, T, H]
         else:  # project the F valid frames, then scatter into [B, T, ...] with zeros in the padded frames
-            proj = self.project(x_q[sel], x_k[sel], x_v[sel], None if kv_mask is None else kv_mask[sel])  # [F, ...]
+            # (a shared source is gathered once: one gather, and one scatter of its gradient, instead of four)
+            xq_v = x_q[sel]  # [F, M, D_Q]
+            xk_v = xq_v if x_k is x_q else x_k[sel]  # [F, N, D_K]
+            xv_v = xk_v if x_v is x_k else x_v[sel]  # [F, N, D_V]
+            proj = self.project(xq_v, xk_v, xv_v, None if kv_mask is None else kv_mask[sel])  # [F, ...]
             Q, K, V, w, gamma = (p.new_zeros(B, T, *p.shape[1:]).index_put((sel,), p) for p in proj)
         fv = None if frame_valid is None else frame_valid[:, None, :].expand(B, gamma.shape[-1], T)  # [B, H, T]
         states = joint_write_window(
@@ -416,7 +420,7 @@ class DRAMLayer(nn.Module):
         if sel is None:
             y = self.fuse(x_q, R, q_mask)
         else:
-            y = x_q.index_put((sel,), self.fuse(x_q[sel], R[sel], None if q_mask is None else q_mask[sel]))
+            y = x_q.index_put((sel,), self.fuse(xq_v, R[sel], None if q_mask is None else q_mask[sel]))
         return y, R, states[:, :, -1]
 
 

@@ -298,12 +298,16 @@ def test_read_before_write():
 
 def test_window_forward_equals_step_loop_with_masks_and_grads():
     torch.manual_seed(2)
-    for cfg in (small_cfg(), small_cfg(mixer=True, mixer_heads=2), small_cfg(head_dk=4, kv_proj=True)):
+    shared = small_cfg(d_k=24, d_v=24)  # one tensor passed as all three sources (the DiT host)
+    for cfg in (small_cfg(), small_cfg(mixer=True, mixer_heads=2), small_cfg(head_dk=4, kv_proj=True), shared):
         layer = trained_like(DRAMLayer(cfg)).double()
         B, T, M, N = 3, 6, 5, 7
         xq = torch.randn(B, T, M, cfg.d_q, dtype=f64)
         xk, xv = torch.randn(B, T, N, cfg.d_k, dtype=f64), torch.randn(B, T, N, cfg.d_v, dtype=f64)
         qm, km = torch.rand(B, T, M) > 0.2, torch.rand(B, T, N) > 0.3
+        if cfg is shared:
+            xq = xk = xv = torch.randn(B, T, N, cfg.d_q, dtype=f64)
+            qm = km
         fv = torch.ones(B, T, dtype=torch.bool)
         fv[0, 4:] = False  # episode ended inside the window
         S0 = torch.randn(B, cfg.n_heads, cfg.head_dk, cfg.head_dv, dtype=f64)
