@@ -513,16 +513,17 @@ def check_resumable(records, run, path):
     """Every logged episode must come from the same run settings, or the table would mix two experiments."""
     for r in records:
         for k, v in run.items():
-            if r.get(k) is None and k == "checkpoint_sha1":
+            if r.get(k) == v:
+                continue
+            if k == "checkpoint_sha1" and r.get(k) is None:
                 raise ValueError(f"{path} holds episodes logged without the checkpoint's sha1 (by an older eval.py), "
                                  f"so they may come from another file; pass another --out or delete the log")
-            if r.get(k) != v and k == "checkpoint_sha1":
+            if k == "checkpoint_sha1":
                 raise ValueError(f"{path} holds episodes of another checkpoint file at {run.get('policy')} (sha1 "
                                  f"{r.get(k)}, now {v}): it was retrained or replaced since; pass another --out "
                                  f"or delete the log")
-            if r.get(k) != v:
-                raise ValueError(f"{path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
-                                 f"pass another --out (or delete the log) instead of mixing runs")
+            raise ValueError(f"{path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
+                             f"pass another --out (or delete the log) instead of mixing runs")
 
 
 def summarize(records, tasks):
