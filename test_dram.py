@@ -7,9 +7,9 @@ Run: python -m pytest -q
 import functools
 import io
 import json
-import shutil
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
