@@ -35,7 +35,6 @@ summary.json, results.md (the markdown table that is also printed), videos/ with
 """
 import argparse
 import functools
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -382,8 +381,7 @@ class CheckpointPolicy:
         self.stats, self.device = ck["stats"], torch.device(device)
         # the file's content identifies the policy in episode logs: a checkpoint retrained at the same path must not
         # resume the old one's episodes
-        with open(ckpt, "rb") as f:
-            self.sha1 = hashlib.sha1(f.read()).hexdigest()[:16]
+        self.sha1 = ck["file_sha1"]
         cfg = self.host.cfg
         if not 1 <= replan <= cfg.chunk:
             raise ValueError(f"--replan {replan} must be in [1, chunk = {cfg.chunk}] for {ckpt}")

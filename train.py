@@ -15,6 +15,8 @@ episode. Gradients run through the whole window: reads, gates, joint solve.
 """
 import argparse
 import dataclasses
+import hashlib
+import io
 import json
 import math
 import os
@@ -113,10 +115,12 @@ def save_checkpoint(path, obj):
 
 
 def load_checkpoint(path, device="cpu", expect=None):
-    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match."""
+    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match.
+    ckpt["file_sha1"] identifies the file's bytes (read once, so it names exactly the weights loaded)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
-    ck = torch.load(path, map_location=device, weights_only=False)
+    raw = Path(path).read_bytes()
+    ck = torch.load(io.BytesIO(raw), map_location=device, weights_only=False)
     for k in ("config", "model", "stats"):
         if k not in ck:
             raise ValueError(f"{path} is not a train.py checkpoint (no '{k}')")
@@ -133,6 +137,7 @@ def load_checkpoint(path, device="cpu", expect=None):
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the host: missing {missing[:5]}, unexpected {unexpected[:5]}")
     host.eval()
+    ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
     return host, ck
 
 
