@@ -121,7 +121,9 @@ def load_checkpoint(path, device="cpu", expect=None):
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
     raw = Path(path).read_bytes()
+    sha1 = hashlib.sha1(raw).hexdigest()[:16]
     ck = torch.load(io.BytesIO(raw), map_location=device, weights_only=False)
+    del raw  # not held while the host is built
     for k in ("config", "model", "stats"):
         if k not in ck:
             raise ValueError(f"{path} is not a train.py checkpoint (no '{k}')")
@@ -138,7 +140,7 @@ def load_checkpoint(path, device="cpu", expect=None):
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the host: missing {missing[:5]}, unexpected {unexpected[:5]}")
     host.eval()
-    ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
+    ck["file_sha1"] = sha1
     return host, ck
 
 
