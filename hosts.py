@@ -244,8 +244,14 @@ class DiTBlock(nn.Module):
 
 
 class DiTHead(FlowHead):
-    """DiT action head: tokens [state, a_tau^1..C] (learned positions on actions), adaLN on the flow time,
-    blocks alternating cross-attention to the conditioning tokens Y and self-attention."""
+    """DiT action head: tokens [state, a_tau^1..C] (learned positions on actions), adaLN on the flow time and the
+    instruction, blocks alternating cross-attention to the conditioning tokens Y and self-attention.
+
+    Why the instruction also enters the adaLN: in GR00T the conditioning tokens come from a vision-language model, so
+    every token carries the instruction. Here the tower sees images only and the instruction is one token among
+    n_cam P + 1, which the head has to find by cross-attention. Adding a learned instruction embedding to the time
+    embedding (FiLM-style) lets every block depend on the task directly. On the embedded suite it lifted the default
+    run's mean success by several points, mostly cue_location and round_trip_blue (README, seeds and settings)."""
 
     def __init__(self, cfg: HostConfig, d_ctx):
         super().__init__()
@@ -256,10 +262,11 @@ class DiTHead(FlowHead):
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
         self.blocks = nn.ModuleList([DiTBlock(d, d_ctx, cfg.head_heads, cross=(i % 2 == 0)) for i in range(cfg.head_blocks)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
+        self.instr_cond = nn.Embedding(max(len(cfg.vocab), 1), d)  # instruction -> adaLN conditioning
         self.d = d
 
     def velocity(self, a_tau, tau, ctx, state_vec, instr):
-        temb = self.t_mlp(time_embedding(tau, self.d))  # [B, d]
+        temb = self.t_mlp(time_embedding(tau, self.d)) + self.instr_cond(instr)  # [B, d] flow time + instruction
         x = torch.cat([self.state_in(state_vec)[:, None], self.action_in(a_tau) + self.pos], 1)  # [B, 1 + C, d]
         for blk in self.blocks:
             x = blk(x, temb, ctx["tokens"])

@@ -504,6 +504,27 @@ def test_host_causality(kind, ws):
     assert (S_t - S_prev).abs().max() > 1e-4
 
 
+def test_dit_head_conditions_on_the_instruction():
+    """The DiT head's adaLN sees flow time + instruction: with the same conditioning tokens, the instruction alone
+    changes the velocity, and it enters exactly as a shift of the time embedding."""
+    head = tiny_host("dit").head
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for blk in head.blocks:  # adaLN modulation starts at zero; make it live
+            blk.norm1.mod.weight.copy_(0.3 * torch.randn(blk.norm1.mod.weight.shape, generator=g))
+    B, C, Da, d = 2, head.pos.shape[0], head.out[-1].out_features, head.d
+    ctx = {"tokens": torch.randn(B, 5, head.blocks[0].kv.in_features, generator=g)}  # same tokens for both
+    a, tau, s = torch.randn(B, C, Da, generator=g), torch.tensor([0.3, 0.8]), torch.randn(B, 8, generator=g)
+    v0 = head.velocity(a, tau, ctx, s, torch.tensor([0, 0]))
+    v1 = head.velocity(a, tau, ctx, s, torch.tensor([1, 1]))
+    assert (v0 - v1).abs().max() > 1e-3
+    with torch.no_grad():  # the same shift moved into the time MLP's output bias gives the same velocity
+        shift = head.instr_cond.weight[0].clone()
+        head.instr_cond.weight.zero_()
+        head.t_mlp[-1].bias.add_(shift)
+    assert torch.allclose(head.velocity(a, tau, ctx, s, torch.tensor([1, 0])), v0, atol=1e-6)
+
+
 def test_memory_prefix_keys_are_not_rotated():
     """pi0.5 host: the memory prefix slots carry the reserved position -1 and their keys are not rotated, while the
     expert's own tokens (and the backbone keys) keep their positions; checked against a manual computation."""
