@@ -34,8 +34,9 @@ from hosts import HostConfig, make_host
 # defaults tuned for the embedded memory suite on 2 CPU cores (python train.py, under 10 minutes): one memory layer
 # instead of the host's default two buys more steps in that budget, which mattered more when measured (commit
 # 03cd5ed); 1700 steps fit since the memory skips padded frames (b22d088); batch 8 with twice the steps and a peak
-# lr of 2e-3 did worse (README). --mem-depth 2 at the same 1700 steps (~1.5x the time) learns cue_location
-# reliably but was not better on average over eight seeds (README).
+# lr of 2e-3 did worse (README). --mem-depth 2 at the same 1700 steps (~1.5x the time) learned cue_location
+# reliably but was not better on average over eight seeds (README; measured before the DiT head's adaLN saw the
+# instruction, which since made one layer learn cue_location in every seed tried).
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
 
 
