@@ -512,7 +512,7 @@ def test_dit_head_conditions_on_the_instruction():
     with torch.no_grad():
         for blk in head.blocks:  # adaLN modulation starts at zero; make it live
             blk.norm1.mod.weight.copy_(0.3 * torch.randn(blk.norm1.mod.weight.shape, generator=g))
-    B, C, Da, d = 2, head.pos.shape[0], head.out[-1].out_features, head.d
+    B, C, Da = 2, head.pos.shape[0], head.out[-1].out_features
     ctx = {"tokens": torch.randn(B, 5, head.blocks[0].kv.in_features, generator=g)}  # same tokens for both
     a, tau, s = torch.randn(B, C, Da, generator=g), torch.tensor([0.3, 0.8]), torch.randn(B, 8, generator=g)
     v0 = head.velocity(a, tau, ctx, s, torch.tensor([0, 0]))
