@@ -36,7 +36,7 @@ from hosts import HostConfig, make_host
 # 03cd5ed); 1700 steps fit since the memory skips padded frames (b22d088); batch 8 with twice the steps and a peak
 # lr of 2e-3 did worse (README). --mem-depth 2 at the same 1700 steps (~1.5x the time) learned cue_location
 # reliably but was not better on average over eight seeds (README; measured before the DiT head's adaLN saw the
-# instruction, which since made one layer learn cue_location in every seed tried).
+# instruction, with which one layer learned it with six seeds of seven).
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
 
 
