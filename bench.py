@@ -194,15 +194,16 @@ def write_sequential(S, K, V, w, gamma):
 
 def joint_write_flops(P, N, dk, dv, woodbury):
     """Matmul + factorisation flops of ONE forward joint write as dram.py implements it (elementwise ops omitted;
-    full GEMMs counted where a SYRK could halve them, because that is what runs):
-      dk path:  G = (WK)^T K 2N dk^2, U = (WK)^T V 2N dk dv, Cholesky dk^3/3, G S_bar 2 dk^2 dv,
-                cholesky_solve (two triangular solves) 2 dk^2 dv
-      N path:   B = K~ K~^T 2N^2 dk, Cholesky N^3/3, K S_bar 2N dk dv, cholesky_solve 2N^2 dv, K~^T (.) 2N dk dv
+    full GEMMs counted where a SYRK or a triangular matmul could halve them, because that is what runs):
+      dk path:  G = (WK)^T K 2N dk^2, U = (WK)^T V 2N dk dv, Cholesky dk^3/3, L^{-1} dk^3/3, G S_bar 2 dk^2 dv,
+                L^{-T} (L^{-1} rhs) 4 dk^2 dv
+      N path:   B = K~ K~^T 2N^2 dk, Cholesky N^3/3, L^{-1} N^3/3, K S_bar 2N dk dv, L^{-T} (L^{-1} r) 4N^2 dv,
+                K~^T (.) 2N dk dv
     The appendix's O(N dk^2 + N dk dv + dk^3 + dk^2 dv) per head is the dk-path count."""
     if woodbury:
-        f = 2 * N * N * dk + N**3 / 3 + 2 * N * dk * dv + 2 * N * N * dv + 2 * N * dk * dv
+        f = 2 * N * N * dk + 2 * N**3 / 3 + 2 * N * dk * dv + 4 * N * N * dv + 2 * N * dk * dv
     else:
-        f = 2 * N * dk * dk + 2 * N * dk * dv + dk**3 / 3 + 2 * dk * dk * dv + 2 * dk * dk * dv
+        f = 2 * N * dk * dk + 2 * N * dk * dv + 2 * dk**3 / 3 + 2 * dk * dk * dv + 4 * dk * dk * dv
     return P * f
 
 

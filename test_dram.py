@@ -86,6 +86,40 @@ def test_normal_equation_float64(N):
         assert normal_residual(S_new, S, K, V, w, gamma) < 1e-10
 
 
+@pytest.mark.parametrize("n", [1, 32, 33, 64, 129])
+def test_tril_inverse_block_recursion(n):
+    """dram._tril_inverse (2 x 2 block formula, recursing above n = 32) returns the lower-triangular L^{-1}."""
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(2, 3, 2 * n, n, generator=g, dtype=f64)
+    L = torch.linalg.cholesky(torch.eye(n, dtype=f64) + X.mT @ X)  # [2, 3, n, n]
+    Li = dram._tril_inverse(L)
+    assert (Li @ L - torch.eye(n, dtype=f64)).abs().max() < 1e-12
+    assert torch.equal(Li, Li.tril())
+
+
+@pytest.mark.parametrize("N", [40, 129])
+def test_joint_write_at_host_sizes_float64(N):
+    """dk = 64 as in the hosts (so L^{-1} is formed by the block recursion; N = 40 < dk takes the 40 x 40 system):
+    the normal equation holds and the custom backward equals autograd through linalg.solve (eq. app-grads)."""
+    S, K, V, w, gamma = rand_frame(2, N=N, dk=64, dv=16, seed=N, wmax=99.0)
+    G = torch.randn(2, 64, 16, dtype=f64)
+
+    def reference(S, K, V, w, gamma):
+        A = torch.eye(64, dtype=f64) + K.mT @ (w[..., None] * K)
+        S_bar = gamma[..., None, None] * S
+        return S_bar + torch.linalg.solve(A, K.mT @ (w[..., None] * (V - K @ S_bar)))
+
+    grads = []
+    for fn in (reference, joint_write):
+        args = [t.clone().requires_grad_(True) for t in (S, K, V, w, gamma)]
+        out = fn(*args)
+        assert normal_residual(out.detach(), S, K, V, w, gamma) < 1e-9
+        (out * G).sum().backward()
+        grads.append([a.grad for a in args])
+    for ours, ref in zip(grads[1], grads[0]):
+        assert (ours - ref).abs().max() < 1e-9 * max(1.0, ref.abs().max().item())
+
+
 def test_normal_equation_repeated_and_rank_deficient_keys():
     S, K, V, w, gamma = rand_frame(4, N=12, dk=8, dv=5, seed=3, wmax=99.0)
     K = K.clone()
