@@ -95,21 +95,30 @@ def _exact_fp32():
             m.allow_tf32 = old
 
 
-def _tril_inverse(L):
-    """L^{-1} for lower-triangular L [..., n, n], by the 2 x 2 block formula (the blocked form of LAPACK's trtri)
-        [[L11, 0], [L21, L22]]^{-1} = [[L11^{-1}, 0], [-L22^{-1} L21 L11^{-1}, L22^{-1}]],
-    recursing while n > 32. Why not one triangular solve against I: on the CPU that is one LAPACK call per matrix,
-    slow for small matrices (about 2x slower than this at n = 64, P = 32); here most flops become batched matmuls."""
-    n = L.shape[-1]
-    if n <= 32:
-        eye = torch.eye(n, dtype=L.dtype, device=L.device).expand_as(L)
+def _inverse_cholesky_factor(A):
+    """L^{-1} for the Cholesky factor L of SPD A [..., n, n] (A = L L^T), by the right-looking 2 x 2 block
+    factorisation (the blocked form of LAPACK's potrf and trtri), recursing while n > 16:
+        L11 = chol(A11),  L21 = A21 L11^{-T},  L22 = chol(A22 - L21 L21^T)      (Schur complement, SPD)
+        L^{-1} = [[L11^{-1}, 0], [-L22^{-1} L21 L11^{-1}, L22^{-1}]]
+    Why not one Cholesky and one triangular solve against I: on the CPU both are one LAPACK call per matrix, slow
+    for small matrices. 2 threads: 2.0 against 0.8 ms at P = 32, n = 64; 12 against 3 ms at n = 128; 12-15
+    against 8-10 ms at P = 1024, n = 32 (a training window). The block form moves most flops into batched
+    matmuls. On a GPU the batched library calls are single kernels, so there the recursion is skipped.
+    A^{-1} = L^{-T} L^{-1} is never formed."""
+    n = A.shape[-1]
+    if n <= 16 or not A.is_cpu:
+        # A >= I by construction, and then so is every Schur complement: no error check, no GPU sync
+        L = torch.linalg.cholesky_ex(A).L  # [..., n, n]
+        eye = torch.eye(n, dtype=A.dtype, device=A.device).expand_as(L)
         return torch.linalg.solve_triangular(L, eye, upper=False)
     h = n // 2
-    I11, I22 = _tril_inverse(L[..., :h, :h]), _tril_inverse(L[..., h:, h:])  # [..., h, h], [..., n-h, n-h]
-    Li = torch.zeros_like(L)
+    I11 = _inverse_cholesky_factor(A[..., :h, :h])  # [..., h, h]  L11^{-1}
+    L21 = A[..., h:, :h] @ I11.mT  # [..., n-h, h]
+    I22 = _inverse_cholesky_factor(A[..., h:, h:] - L21 @ L21.mT)  # [..., n-h, n-h]  L22^{-1}
+    Li = torch.zeros_like(A)
     Li[..., :h, :h] = I11
     Li[..., h:, h:] = I22
-    Li[..., h:, :h] = -(I22 @ L[..., h:, :h]) @ I11  # [..., n-h, h]
+    Li[..., h:, :h] = -(I22 @ L21) @ I11
     return Li
 
 
@@ -128,7 +137,7 @@ class _JointWriteWindow(torch.autograd.Function):
     The second is the push-through identity A^{-1} K~^T = K~^T B^{-1} (Woodbury); it is cheaper when N < dk.
 
     The triangular solve pair with L is applied as two matmuls with the triangular inverse L^{-1}, formed for all
-    frames in one batched call after the factorisation and stored for the backward (eq. app-adjoint reuses it).
+    frames at once with the factorisation and stored for the backward (eq. app-adjoint reuses it).
     A^{-1} = L^{-T} L^{-1} itself is never formed. Why: a batched `cholesky_solve` on the CPU is one LAPACK call per
     system (about 6x slower than the two matmuls at P = 32, dk = dv = 64), so the forward's T solves and the
     backward's T adjoint solves were a third of the joint write's time. L has condition number sqrt(cond A)
@@ -143,15 +152,14 @@ class _JointWriteWindow(torch.autograd.Function):
             Kt = K * sw[..., None]  # [P, T, N, dk]  K~ = W^{1/2} K
             B = Kt @ Kt.mT  # [P, T, N, N]
             B.diagonal(dim1=-2, dim2=-1).add_(1.0)  # B = I_N + K~ K~^T  (SPD, eigenvalues >= 1)
-            L = torch.linalg.cholesky_ex(B).L  # [P, T, N, N]  (SPD by construction: no error check, no GPU sync)
+            Li = _inverse_cholesky_factor(B)  # [P, T, N, N]  L^{-1}, B = L L^T
         else:
             Kw = K * w[..., None]  # [P, T, N, dk]  W K
             G = Kw.mT @ K  # [P, T, dk, dk]  Gram K^T W K
             U = Kw.mT @ V  # [P, T, dk, dv]  K^T W V
             A = G.clone()
             A.diagonal(dim1=-2, dim2=-1).add_(1.0)  # A = I + K^T W K  (SPD, eigenvalues >= 1, eq. hessian-pd)
-            L = torch.linalg.cholesky_ex(A).L  # [P, T, dk, dk]  (A >= I by construction: no error check / sync)
-        Li = _tril_inverse(L)  # [P, T, n, n]  L^{-1}, lower triangular
+            Li = _inverse_cholesky_factor(A)  # [P, T, dk, dk]  L^{-1}, A = L L^T
         states = []
         S = S0
         for t in range(T):

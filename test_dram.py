@@ -86,14 +86,15 @@ def test_normal_equation_float64(N):
         assert normal_residual(S_new, S, K, V, w, gamma) < 1e-10
 
 
-@pytest.mark.parametrize("n", [1, 32, 33, 64, 129])
-def test_tril_inverse_block_recursion(n):
-    """dram._tril_inverse (2 x 2 block formula, recursing above n = 32) returns the lower-triangular L^{-1}."""
+@pytest.mark.parametrize("n", [1, 16, 17, 33, 64, 129])
+def test_inverse_cholesky_factor_block_recursion(n):
+    """dram._inverse_cholesky_factor (2 x 2 blocks, recursing above n = 16) returns L^{-1} for LAPACK's Cholesky
+    factor L of A: lower triangular, L^{-1} L = I."""
     g = torch.Generator().manual_seed(n)
     X = torch.randn(2, 3, 2 * n, n, generator=g, dtype=f64)
-    L = torch.linalg.cholesky(torch.eye(n, dtype=f64) + X.mT @ X)  # [2, 3, n, n]
-    Li = dram._tril_inverse(L)
-    assert (Li @ L - torch.eye(n, dtype=f64)).abs().max() < 1e-12
+    A = torch.eye(n, dtype=f64) + X.mT @ X  # [2, 3, n, n]  SPD
+    Li = dram._inverse_cholesky_factor(A)
+    assert (Li @ torch.linalg.cholesky(A) - torch.eye(n, dtype=f64)).abs().max() < 1e-12
     assert torch.equal(Li, Li.tril())
 
 
