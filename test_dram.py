@@ -49,6 +49,13 @@ def normal_residual(S_new, S, K, V, w, gamma):
     return (A @ S_new - (gamma[..., None, None] * S + K.mT @ (w[..., None] * V))).abs().max().item()
 
 
+def write_via_linalg_solve(S, K, V, w, gamma):
+    """eq. (correction) through torch.linalg.solve, differentiated by autograd: the reference for the custom backward."""
+    A = torch.eye(K.shape[-1], dtype=K.dtype) + K.mT @ (w[..., None] * K)
+    S_bar = gamma[..., None, None] * S
+    return S_bar + torch.linalg.solve(A, K.mT @ (w[..., None] * (V - K @ S_bar)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dram.py: functional core
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,13 +112,8 @@ def test_joint_write_at_host_sizes_float64(N):
     S, K, V, w, gamma = rand_frame(2, N=N, dk=64, dv=16, seed=N, wmax=99.0)
     G = torch.randn(2, 64, 16, dtype=f64)
 
-    def reference(S, K, V, w, gamma):
-        A = torch.eye(64, dtype=f64) + K.mT @ (w[..., None] * K)
-        S_bar = gamma[..., None, None] * S
-        return S_bar + torch.linalg.solve(A, K.mT @ (w[..., None] * (V - K @ S_bar)))
-
     grads = []
-    for fn in (reference, joint_write):
+    for fn in (write_via_linalg_solve, joint_write):
         args = [t.clone().requires_grad_(True) for t in (S, K, V, w, gamma)]
         out = fn(*args)
         assert normal_residual(out.detach(), S, K, V, w, gamma) < 1e-9
@@ -237,13 +239,8 @@ def test_custom_backward_matches_autograd_through_linalg_solve():
     S, K, V, w, gamma = rand_frame(3, 2, N=12, dk=8, dv=6, seed=23)
     G = torch.randn(3, 2, 8, 6, dtype=f64)
 
-    def reference(S, K, V, w, gamma):
-        A = torch.eye(8, dtype=f64) + K.mT @ (w[..., None] * K)
-        S_bar = gamma[..., None, None] * S
-        return S_bar + torch.linalg.solve(A, K.mT @ (w[..., None] * (V - K @ S_bar)))
-
     grads = []
-    for fn in (joint_write, reference, lambda *a: joint_write(*a, woodbury=True)):
+    for fn in (joint_write, write_via_linalg_solve, lambda *a: joint_write(*a, woodbury=True)):
         args = [t.clone().requires_grad_(True) for t in (S, K, V, w, gamma)]
         (fn(*args) * G).sum().backward()
         grads.append([a.grad for a in args])
