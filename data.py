@@ -787,7 +787,9 @@ class MemoryEnv:
 def rollout_expert(env, seed, noise=EXPERT_NOISE, cue=None):
     """One expert episode (DART: executes action + noise, records the clean expert action).
     Returns dict of stacked raw obs [T,...], actions [T,3], success."""
-    rng = np.random.default_rng([seed, 1 if cue is None else 2 + cue])
+    # one flat entropy list (numpy >= 2.5 rejects nested ones; older numpy flattened them to the same words)
+    words = [int(x) for x in np.atleast_1d(seed)]
+    rng = np.random.default_rng(words + [1 if cue is None else 2 + cue])
     obs, frames, acts = env.reset(seed=seed, cue=cue), [], []
     done, success = False, False
     while not done:
