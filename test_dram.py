@@ -1407,9 +1407,10 @@ def tiny_train(root, out, *extra):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny DiT + DRAM checkpoint trained on the embedded suite (3 demos per task, 40 steps)."""
+    """A tiny DiT + DRAM checkpoint trained on the embedded suite (3 demos per task, 100 steps), on the CPU also
+    where a GPU is present, so that the tests see the same checkpoint on every machine."""
     root = tmp_path_factory.mktemp("train")
-    ck = tiny_train(root, "run", "--steps", "100", "--save-every", "50")
+    ck = tiny_train(root, "run", "--steps", "100", "--save-every", "50", "--device", "cpu")
     return root, ck
 
 
@@ -1476,12 +1477,19 @@ def test_memory_lr_multiplier(tmp_path):
     assert all(torch.equal(ck["model"][k], init[k]) for k in mem)
     assert not all(torch.equal(ck["model"][k], init[k]) for k in rest)
     assert sorted(g["lr_mult"] for g in ck["optimizer"]["param_groups"]) == [0.0, 0.0, 1.0, 1.0]
+    assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_train_on_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--device cuda: 1 process.* need one GPU each, this machine has 0"):
+        tiny_train(tmp_path, "a", "--steps", "1", "--device", "cuda")
 
 
 def test_ddp_two_processes_gloo(tmp_path):
     """torchrun with 2 CPU processes (gloo): each rank its own streams, gradients all-reduced, weights in sync."""
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
-            "--steps", "3"] + TINY
+            "--steps", "3", "--device", "cpu"] + TINY
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "train.py"] + args, cwd=Path(__file__).parent, env=env, capture_output=True, text=True,

@@ -103,8 +103,10 @@ def get_args(argv=None):
 
 
 def trainable_state(host):
+    """The trained weights (the frozen tower is rebuilt from its config), on the CPU: a checkpoint written on a GPU
+    then loads anywhere, also with a plain torch.load."""
     keep = {n for n, p in host.named_parameters() if p.requires_grad}
-    return {k: v for k, v in host.state_dict().items() if k in keep}
+    return {k: v.detach().cpu() for k, v in host.state_dict().items() if k in keep}
 
 
 def save_checkpoint(path, obj):
@@ -188,8 +190,11 @@ def build_episodes(host, files, a, rank=0):
 def setup_distributed(a):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    if a.device == "auto":
-        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.device == "auto":  # one GPU per rank, else all ranks on the CPU
+        a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    if a.device.startswith("cuda") and world > torch.cuda.device_count():
+        raise SystemExit(f"--device {a.device}: {world} process(es) need one GPU each, this machine has "
+                         f"{torch.cuda.device_count()} (use --device cpu, or fewer processes)")
     if world > 1:
         if a.device == "cpu":  # ranks share the cores: oversubscribed OpenMP threads spin and crawl
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
