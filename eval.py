@@ -367,14 +367,75 @@ class RandomPolicy:
         return self.rng.uniform(-1.0, 1.0, size=(len(frames), 7))  # [n, 7]
 
 
+def capture_cuda_graph(fn, warmup=3):
+    """Record fn() as a CUDA graph. Returns (graph, out): graph.replay() reruns all of fn's kernels with one launch,
+    on the same input buffers (the tensors fn reads) and into the same output buffers (out). fn must not
+    synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
+    initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class GraphedControlStep:
+    """One control step of a host on a GPU as two CUDA graphs, at a fixed batch of n rows:
+      transition = frozen tower + host.step (one memory read-write transition; writes `state` in place),
+      chunk      = host.sample (one action chunk from the transition's context).
+    Why: at B = 1 a control step is a thousand small kernels (tower, memory layers, flow_steps Euler steps of the
+    head), and eagerly the GPU idles while Python launches them one by one; a replay launches them all at once
+    (bench.py part 3 measures both). Inputs are copied into static buffers before each replay. The chunk's noise
+    is drawn eagerly with the same torch.randn call as Host.sample, so with the same seed a graphed policy acts
+    exactly as an eager one."""
+
+    def __init__(self, host, images, ids, state_vec, state):
+        cfg, dev = host.cfg, state.device
+        n = state.shape[0]
+        self.images = {c: v.to(dev).clone() for c, v in images.items()}  # uint8 [n, H, W, 3] per camera
+        self.ids, self.state_vec = ids.clone(), state_vec.to(dev).clone()  # [n], [n, Ds]
+        self.state = state  # the policy's state buffer [n, ...], read and overwritten by every transition
+        self.noise = torch.zeros(n, cfg.chunk, cfg.action_dim, device=dev)  # [n, C, Da]
+
+        def transition():
+            feats = host.encode(self.images, self.ids)
+            ctx, new_state = host.step(feats, self.ids, self.state)
+            self.state.copy_(new_state)
+            return ctx
+
+        saved = state.clone()
+        self.transition, self.ctx = capture_cuda_graph(transition)
+        self.state.copy_(saved)  # the warm-up runs advanced the memory
+        self.chunk, self.actions = capture_cuda_graph(
+            lambda: host.sample(self.ctx, self.state_vec, self.ids, self.noise))  # actions [n, C, Da]
+
+    def step(self, images, ids):
+        for c, v in self.images.items():
+            v.copy_(images[c])
+        self.ids.copy_(ids)
+        self.transition.replay()
+
+    def sample(self, state_vec):
+        self.state_vec.copy_(state_vec)
+        self.noise.copy_(torch.randn(self.noise.shape, device=self.noise.device))  # as Host.sample draws it
+        self.chunk.replay()
+        return self.actions
+
+
 class CheckpointPolicy:
     """A train.py checkpoint as a policy (config, normalisation statistics and vocabulary come from it).
 
     Deployment semantics (Sec. 3.4): every act() call is exactly one memory read-write transition; the action
     expert denoises a new chunk only every `replan` observations (a memory reset of a row also starts a new chunk
-    for it); the memory persists across chunks. Actions come out un-normalised with the training statistics."""
+    for it); the memory persists across chunks. Actions come out un-normalised with the training statistics.
+    On a GPU the control step runs as CUDA graphs (GraphedControlStep) unless cuda_graphs=False."""
 
-    def __init__(self, ckpt, device="cpu", replan=1):
+    def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
         from train import load_checkpoint  # the checkpoint format lives with the trainer
 
         self.host, ck = load_checkpoint(ckpt, device)
@@ -386,7 +447,8 @@ class CheckpointPolicy:
         if not 1 <= replan <= cfg.chunk:
             raise ValueError(f"--replan {replan} must be in [1, chunk = {cfg.chunk}] for {ckpt}")
         self.replan, self.name = replan, ckpt
-        self.state = self.chunk = self.age = None
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.state = self.chunk = self.age = self.graphed = None
 
     def reset(self, rows):
         rows = np.asarray(rows, bool)  # [n]
@@ -395,7 +457,9 @@ class CheckpointPolicy:
             self.state = self.host.init_state(n, self.device)
             self.chunk = np.zeros((n, cfg.chunk, cfg.action_dim), np.float32)  # [n, C, Da] current chunks
             self.age = np.full(n, cfg.chunk, np.int64)  # [n] actions consumed from the current chunk
-        self.state = self.host.reset_state(self.state, torch.as_tensor(rows, device=self.device))
+            self.graphed = None  # captured for n rows: capture again at the next act()
+        # in place: a captured transition reads and writes this buffer
+        self.state.copy_(self.host.reset_state(self.state, torch.as_tensor(rows, device=self.device)))
         self.age[rows] = cfg.chunk  # force a new chunk
 
     @torch.no_grad()
@@ -403,13 +467,20 @@ class CheckpointPolicy:
         cams = self.host.cfg.cameras
         images = {c: torch.from_numpy(np.stack([f[0][c] for f in frames])) for c in cams}  # uint8 [n, H, W, 3]
         state = data.normalize(np.stack([f[1] for f in frames]), self.stats, "state")  # [n, 8]
+        s = torch.from_numpy(state).float().to(self.device)  # [n, 8]
         ids = self.host.instr_ids(instructions, self.device)  # unknown instruction -> clear error
-        feats = self.host.encode(images, ids)  # frozen parts
-        ctx, self.state = self.host.step(feats, ids, self.state)  # one read-write transition
+        if self.use_graphs and self.graphed is None:
+            self.graphed = GraphedControlStep(self.host, images, ids, s, self.state)
+        if self.graphed is not None:
+            self.graphed.step(images, ids)  # one read-write transition
+            ctx = None
+        else:
+            feats = self.host.encode(images, ids)  # frozen parts
+            ctx, self.state = self.host.step(feats, ids, self.state)  # one read-write transition
         need = self.age >= self.replan  # [n]
         if need.any():  # the action expert denoises only when a new chunk is needed
-            s = torch.from_numpy(state).float().to(self.device)
-            a = self.host.sample(ctx, s, ids).cpu().numpy()  # [n, C, Da] normalised
+            a = self.graphed.sample(s) if ctx is None else self.host.sample(ctx, s, ids)  # [n, C, Da] normalised
+            a = a.cpu().numpy()
             self.chunk[need], self.age[need] = a[need], 0
         out = self.chunk[np.arange(len(frames)), self.age]  # [n, Da]
         self.age += 1
@@ -442,7 +513,7 @@ def make_memory_env(task_id, seed, img_size=64):
 
 
 def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_every=0, replan=1, num_envs=16,
-                          out=None, tasks=None):
+                          out=None, tasks=None, cuda_graphs=True):
     """Embedded suite: success per task and suite mean of each checkpoint, side by side with the best success
     any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds default to 1000+, disjoint from the
     demonstrations' (0). Logs go to `out` (one sub-folder per checkpoint when there are several), by default next
@@ -456,7 +527,7 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
             where = os.path.join(ck_dir, f"eval_memory_L{reset_every}")
         else:
             where = out if len(ckpts) == 1 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
-        policy = CheckpointPolicy(ck, device, replan)
+        policy = CheckpointPolicy(ck, device, replan, cuda_graphs)
         run = dict(policy=os.path.abspath(ck), checkpoint_sha1=policy.sha1, seed=seed, reset_every=reset_every,
                    replan=replan)
         slots = EnvSlots(functools.partial(make_memory_env, seed=seed), num_envs)
@@ -621,6 +692,8 @@ def get_args(argv=None):
     p.add_argument("--replan", type=int, default=1, help="observations per action chunk: the action expert "
                    "denoises a new chunk every --replan steps (memory advances every step)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
+                   "step eagerly instead of replaying CUDA graphs (for debugging; same actions, slower)")
     p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy without --ckpt")
     p.add_argument("--out", default=None, help="output folder (default runs/eval/<suites>_<policy>_L<reset>)")
     p.add_argument("--video", action="store_true", help="write an mp4 per episode (needs imageio)")
@@ -645,11 +718,11 @@ def main(argv=None):
             raise SystemExit("--suite memory needs --ckpt (train one with `python train.py`)")
         return evaluate_memory_suite(args.ckpt, episodes=args.trials, seed=args.seed, device=args.device,
                                      reset_every=args.reset_every, replan=args.replan, num_envs=max(args.num_envs, 16),
-                                     out=args.out, tasks=args.tasks)
+                                     out=args.out, tasks=args.tasks, cuda_graphs=args.cuda_graphs)
     if args.ckpt and len(args.ckpt) > 1:
         raise SystemExit("LIBERO: give one --ckpt per run (compare the results.md tables of two runs)")
     if args.ckpt:
-        policy, name = CheckpointPolicy(args.ckpt[0], args.device, args.replan), os.path.abspath(args.ckpt[0])
+        policy, name = CheckpointPolicy(args.ckpt[0], args.device, args.replan, args.cuda_graphs), os.path.abspath(args.ckpt[0])
     else:
         policy, name = (ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)), args.policy
     tag = os.path.basename(os.path.dirname(name)) if args.ckpt else args.policy

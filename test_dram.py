@@ -1540,6 +1540,37 @@ def test_checkpoint_policy_deployment_semantics(trained):
         pol.act([data.policy_frame(obs)], ["fold the towel"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
+def test_cuda_graph_policy_acts_like_the_eager_policy(trained):
+    """The captured control step (eval.GraphedControlStep) against the eager one on the same frames and seed: same
+    actions and states over 9 steps of 2 rows, with a chunk every 2 frames and a memory reset of one row."""
+    _, ck = trained
+    envs = [ev.MemorySuiteEnv(i, seed=5) for i in (0, 3)]
+    obs = [e.reset(0) for e in envs]
+    frames = []
+    for t in range(9):
+        frames.append([data.policy_frame(o) for o in obs])
+        obs = [e.step(np.zeros(3))[0] for e in envs]
+    instr = [e.instruction for e in envs]
+    runs = []
+    for graphs in (False, True):
+        pol = ev.CheckpointPolicy(ck, "cuda", replan=2, cuda_graphs=graphs)
+        torch.manual_seed(0)
+        pol.reset(np.array([True, True]))
+        acts, states = [], []
+        for t, fr in enumerate(frames):
+            if t == 5:
+                pol.reset(np.array([False, True]))
+            acts.append(pol.act(fr, instr))
+            states.append(pol.state.clone())
+        assert (pol.graphed is not None) == graphs
+        runs.append((np.stack(acts), torch.stack(states)))
+    (a0, s0), (a1, s1) = runs
+    assert s0.abs().sum() > 0 and (s0[5, 1] != s0[4, 1]).any()
+    np.testing.assert_allclose(a1, a0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-5)
+
+
 def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
     _, ck = trained
     out = tmp_path / "ev"
