@@ -35,6 +35,7 @@ import torch.utils.benchmark as benchmark
 
 import dram
 from dram import DRAMConfig, DRAMLayer, joint_write, sequential_delta_write, write_weights
+from eval import capture_cuda_graph
 from hosts import HostConfig, make_host
 
 # ----------------------------------------------------------------------------------------------------------
@@ -250,6 +251,21 @@ def fwd_and_fwdbwd(fns, inputs, device, args):
     }
 
 
+def graphed_fwdbwd(fns, inputs, device, args):
+    """Forward+backward of each fn(*inputs) in `fns` captured as one CUDA graph (eval.capture_cuda_graph) and timed
+    by its replays, interleaved: what is left is the GPU's kernel time, without Python's launch overhead.
+    Returns compare()'s ({name: median s}, {name: [s per round]})."""
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    with torch.no_grad():
+        g_out = torch.randn(next(iter(fns.values()))(*inputs).shape, generator=torch.Generator().manual_seed(1))
+    g_out = g_out.to(device)  # a fixed upstream gradient dL/dS_new
+    replays = {}
+    for name, fn in fns.items():
+        graph, _ = capture_cuda_graph(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, g_out))
+        replays[name] = graph.replay
+    return compare(replays, device, args.min_run_time, args.rounds)
+
+
 def part1(args, device, rep):
     # grid: (N, dk) at P = 32 (e.g. B 8 x H 4); DiT host N = 129 / 257; the batch sweep at the DiT host's N
     if args.quick:
@@ -302,6 +318,33 @@ def part1(args, device, rep):
         r = next(r for r in raw if (r["N"], r["dk"], r["P"]) == (N, 64, 32))
         rep.target(f"joint_write fwd+bwd vs autograd linalg.solve, dk=64, N={N}, P=32",
                    r["speedup_of_joint"]["solve"]["fwdbwd"], 1.5)
+
+    if device.type == "cuda":  # launch overhead removed: the joint write replayed as a CUDA graph
+        rows, raw_g = [], []
+        for N, dk, P in [(N, dk, 32) for N, dk in grid] + sweep:
+            med, per = graphed_fwdbwd({"joint": joint_write}, make_frame(P, N, dk, dk, device), device, args)
+            eager = next(r for r in raw if (r["N"], r["dk"], r["P"]) == (N, dk, P))["median_s"]["fwdbwd"]
+            x = eager["solve"] / med["joint"]
+            raw_g.append({"N": N, "dk": dk, "P": P, "joint_graph_s": med["joint"], "eager_s": eager,
+                          "solve_eager_over_joint_graph": x})
+            rows.append([N, dk, P, ms(med["joint"]), ms(eager["joint"]), f"{eager['joint'] / med['joint']:.1f}",
+                         ms(eager["solve"]), f"{x:.2f}"])
+        rep.data["part1_cuda_graphs"] = raw_g
+        rep.section(
+            "Part 1c: joint_write forward+backward replayed as a CUDA graph (x = eager solve time / graph time)",
+            ["N", "dk=dv", "P", "joint graph ms", "joint eager ms", "eager / graph", "solve eager ms", "x"],
+            rows,
+            note="The joint write's forward+backward captured as one CUDA graph and timed by replays: the launch "
+            "overhead that dominates the eager timings above is gone. It can be captured because nothing in it "
+            "waits for the host (cholesky_ex without an error check, triangular solves, matmuls). Autograd through "
+            "torch.linalg.solve cannot be captured (it checks A for singularity on the host), nor through "
+            "solve_ex (its batched LU makes a call that CUDA forbids during capture), so that baseline is eager. "
+            "Medians of separate interleaved runs (graph vs eager columns from Part 1a).",
+        )
+        for N in (129, 257):
+            r = next(r for r in raw_g if (r["N"], r["dk"], r["P"]) == (N, 64, 32))
+            rep.target(f"joint_write fwd+bwd as a CUDA graph vs autograd linalg.solve (eager, not capturable), "
+                       f"dk=64, N={N}, P=32", r["solve_eager_over_joint_graph"], 1.5)
 
     # N x N (Woodbury) system against the dk x dk system, both through joint_write's custom backward
     wood = [(16, 64), (32, 64), (32, 128), (64, 128)] if not args.quick else [(32, 64), (64, 128)]
@@ -525,6 +568,10 @@ def part3(args, device, rep):
         fns["encode"] = encode
         med, per = compare(fns, device, args.min_run_time, args.rounds)
         enc = per["encode"]
+        graphed = device.type == "cuda"
+        if graphed:  # the same steps replayed as CUDA graphs (as eval.py deploys them on a GPU)
+            gmed, gper = compare({k: capture_cuda_graph(f)[0].replay for k, f in fns.items()}, device,
+                                 args.min_run_time, args.rounds)
         ref = "dram t=10"
         state_bytes = states[ts[0]][0].numel() * states[ts[0]].element_size()  # one stream, fp32
         out = {"tokens_per_frame": NP + 1, "width": D, "median_s": med, "rows": {}}
@@ -539,20 +586,30 @@ def part3(args, device, rep):
                                  "persistent_bytes": nbytes, "head_tokens": ntok}
             rows.append([size, name, ntok, ms(med[name]), f"{x:.2f}", ms(med[name] + med["encode"]), f"{tot:.2f}",
                          f"{nbytes / 1024:.0f} KiB"])
+            if graphed:
+                gx = ratio(gper, name, ref)
+                out["rows"][name].update(graph_step_s=gmed[name], graph_x_vs_dram_t10=gx)
+                rows[-1][-1:-1] = [ms(gmed[name]), f"{gx:.2f}"]
+        if graphed:
+            out["graph_encode_s"] = gmed["encode"]
         out["encode_s"] = med["encode"]
         raw[size] = out
         del host, base, ctxs, bufs
     rep.data["part3_deployment"] = raw
+    graphed = device.type == "cuda"
     rep.section(
         "Part 3: per-control-step latency, DRAM at episode step t vs a k-frame context (x = time / DRAM t=10 time)",
-        ["host size", "policy", "head tokens", "step ms (excl. encoder)", "x", "step ms incl. encoder", "x incl. encoder",
-         "persistent memory / stream"],
+        ["host size", "policy", "head tokens", "step ms (excl. encoder)", "x", "step ms incl. encoder", "x incl. encoder"]
+        + (["CUDA graph step ms", "x (graphs)"] if graphed else []) + ["persistent memory / stream"],
         rows,
         note=f"B = 1. One control step = host.step (DRAM: one read-write transition of the 2-layer stack) or the ring "
         f"buffer write + token assembly (k-frame), then host.sample (one action chunk, {HostConfig.flow_steps} Euler "
         f"steps of the same hosts.DiTHead). The frozen encoder (2 cameras, uint8 -> tokens) is identical for both and "
         f"timed separately: libero {ms(raw['libero']['encode_s'])} ms, embedded {ms(raw['embedded']['encode_s'])} ms; "
-        f"'incl. encoder' adds it. DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens.",
+        f"'incl. encoder' adds it. DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens."
+        + (" CUDA graph: the same policy step captured as one graph and timed by replays (eval.py deploys it so on "
+           "a GPU); encoder as a graph: " + ", ".join(f"{s} {ms(raw[s]['graph_encode_s'])} ms" for s in HOST_SIZES)
+           + "." if graphed else ""),
     )
     for size in HOST_SIZES:
         r = raw[size]["rows"]
@@ -561,6 +618,9 @@ def part3(args, device, rep):
         rep.target(f"{size}: k=8 context vs DRAM per step (policy step, excl. encoder)", r["k=8"]["x_vs_dram_t10"], 3.0)
         rep.target(f"{size}: k=8 context vs DRAM per step (incl. frozen encoder)",
                    r["k=8"]["x_vs_dram_t10_incl_encoder"], 3.0)
+        if graphed:
+            rep.target(f"{size}: k=8 context vs DRAM per step, both CUDA graphs (policy step)",
+                       r["k=8"]["graph_x_vs_dram_t10"], 3.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
