@@ -18,6 +18,8 @@ dk = dv in {64, 128}, batch x heads P from 8 to 256):
      a k-frame context (k in {1, 4, 8, 16}) on the same DiT head, and the persistent memory bytes of each.
   4  training: frames/s of a TBPTT step, DRAM vs memory="none" (cached features), feature cache vs encoding on the
      fly; activation memory vs the window T in {4, 8, 16, 32}.
+On CUDA, part 1 also replays the joint write's forward+backward as a CUDA graph and part 3 every policy step (the
+launch overhead removed; eval.py deploys policies so on a GPU).
 Parts 3-4 run the DiT host at both real sizes: LIBERO (vit_small_patch16_224.dino at 128 px, 129 tokens x 384) and
 the embedded default (vit_tiny_patch16_224 at 64 px, 33 tokens x 192).
 """
