@@ -473,13 +473,12 @@ class CheckpointPolicy:
             self.graphed = GraphedControlStep(self.host, images, ids, s, self.state)
         if self.graphed is not None:
             self.graphed.step(images, ids)  # one read-write transition
-            ctx = None
         else:
             feats = self.host.encode(images, ids)  # frozen parts
             ctx, self.state = self.host.step(feats, ids, self.state)  # one read-write transition
         need = self.age >= self.replan  # [n]
         if need.any():  # the action expert denoises only when a new chunk is needed
-            a = self.graphed.sample(s) if ctx is None else self.host.sample(ctx, s, ids)  # [n, C, Da] normalised
+            a = self.graphed.sample(s) if self.graphed is not None else self.host.sample(ctx, s, ids)  # [n, C, Da]
             a = a.cpu().numpy()
             self.chunk[need], self.age[need] = a[need], 0
         out = self.chunk[np.arange(len(frames)), self.age]  # [n, Da]
@@ -722,7 +721,8 @@ def main(argv=None):
     if args.ckpt and len(args.ckpt) > 1:
         raise SystemExit("LIBERO: give one --ckpt per run (compare the results.md tables of two runs)")
     if args.ckpt:
-        policy, name = CheckpointPolicy(args.ckpt[0], args.device, args.replan, args.cuda_graphs), os.path.abspath(args.ckpt[0])
+        policy = CheckpointPolicy(args.ckpt[0], args.device, args.replan, args.cuda_graphs)
+        name = os.path.abspath(args.ckpt[0])
     else:
         policy, name = (ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)), args.policy
     tag = os.path.basename(os.path.dirname(name)) if args.ckpt else args.policy
