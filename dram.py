@@ -86,7 +86,10 @@ def _exact_fp32():
         old = m.allow_tf32
         m.allow_tf32 = False
     try:
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                yield
+        else:  # entering two disabled autocast contexts costs more than the tiny solves of one frame
             yield
     finally:
         if hasattr(m, "fp32_precision"):
@@ -154,23 +157,32 @@ class _JointWriteWindow(torch.autograd.Function):
             B.diagonal(dim1=-2, dim2=-1).add_(1.0)  # B = I_N + K~ K~^T  (SPD, eigenvalues >= 1)
             Li = _inverse_cholesky_factor(B)  # [P, T, N, N]  L^{-1}, B = L L^T
         else:
-            Kw = K * w[..., None]  # [P, T, N, dk]  W K
-            G = Kw.mT @ K  # [P, T, dk, dk]  Gram K^T W K
-            U = Kw.mT @ V  # [P, T, dk, dv]  K^T W V
+            KwT = (K * w[..., None]).mT  # [P, T, dk, N]  (W K)^T
+            G = KwT @ K  # [P, T, dk, dk]  Gram K^T W K
+            U = KwT @ V  # [P, T, dk, dv]  K^T W V
             A = G.clone()
             A.diagonal(dim1=-2, dim2=-1).add_(1.0)  # A = I + K^T W K  (SPD, eigenvalues >= 1, eq. hessian-pd)
             Li = _inverse_cholesky_factor(A)  # [P, T, dk, dk]  L^{-1}, A = L L^T
+        # The frame loop is what cannot be batched; it is kept to four (dk) or six (N) kernels per frame, since on a
+        # GPU each costs a launch: per-frame views come from one unbind each, and baddbmm fuses the adds
+        # (baddbmm(C, A, B, alpha=-1) = C - A B).
+        gam = gamma[..., None, None].unbind(1)  # T x [P, 1, 1]
+        Lis, LiTs = Li.unbind(1), Li.mT.unbind(1)  # T x [P, n, n]
+        if woodbury:
+            Vs, Ks, sws, Kts, KtTs = V.unbind(1), K.unbind(1), sw[..., None].unbind(1), Kt.unbind(1), Kt.mT.unbind(1)
+        else:
+            Us, Gs = U.unbind(1), G.unbind(1)
         states = []
         S = S0
         for t in range(T):
-            S_bar = gamma[:, t, None, None] * S  # eq. (retention): S_bar = gamma S_{t-1}
+            S_bar = gam[t] * S  # eq. (retention): S_bar = gamma S_{t-1}
             if woodbury:
-                r = sw[:, t, :, None] * (V[:, t] - K[:, t] @ S_bar)  # [P, N, dv]  W^{1/2} (V - K S_bar)
-                delta = Kt[:, t].mT @ (Li[:, t].mT @ (Li[:, t] @ r))  # [P, dk, dv]  K~^T B^{-1} r
+                r = torch.baddbmm(Vs[t], Ks[t], S_bar, alpha=-1).mul_(sws[t])  # [P, N, dv]  W^{1/2} (V - K S_bar)
+                y = LiTs[t] @ (Lis[t] @ r)  # [P, N, dv]  B^{-1} r
+                S = torch.baddbmm(S_bar, KtTs[t], y)  # S_bar + K~^T B^{-1} r
             else:
-                rhs = U[:, t] - G[:, t] @ S_bar  # [P, dk, dv]  K^T W (V - K S_bar)
-                delta = Li[:, t].mT @ (Li[:, t] @ rhs)  # eq. (correction): Delta = L^{-T} L^{-1} rhs
-            S = S_bar + delta
+                rhs = torch.baddbmm(Us[t], Gs[t], S_bar, alpha=-1)  # [P, dk, dv]  K^T W (V - K S_bar)
+                S = torch.baddbmm(S_bar, LiTs[t], Lis[t] @ rhs)  # eq. (correction): S_bar + L^{-T} L^{-1} rhs
             states.append(S)
         states = torch.stack(states, 1)  # [P, T, dk, dv]
         ctx.woodbury = woodbury
@@ -185,16 +197,20 @@ class _JointWriteWindow(torch.autograd.Function):
         # Reverse-time adjoint recurrence. dL/dS_t collects the direct gradient plus what S_{t+1} passes back
         # through S_bar_{t+1} = gamma_{t+1} S_t. Each frame: one solve A Lambda = G with the STORED factor
         # (eq. app-adjoint), no refactorisation.
+        gam = gamma[..., None, None].unbind(1)  # T x [P, 1, 1]
+        gs, Lis, LiTs = g_states.unbind(1), Li.unbind(1), Li.mT.unbind(1)
+        if ctx.woodbury:
+            Kts, KtTs = Kt.unbind(1), Kt.mT.unbind(1)
         lams = [None] * T
-        carry = torch.zeros_like(S0)
+        carry = None
         for t in reversed(range(T)):
-            G = g_states[:, t] + carry  # [P, dk, dv]
+            G = gs[t] if carry is None else gs[t] + carry  # [P, dk, dv]
             if ctx.woodbury:  # A^{-1} G = G - K~^T B^{-1} K~ G
-                lam = G - Kt[:, t].mT @ (Li[:, t].mT @ (Li[:, t] @ (Kt[:, t] @ G)))
+                lam = torch.baddbmm(G, KtTs[t], LiTs[t] @ (Lis[t] @ (Kts[t] @ G)), alpha=-1)
             else:
-                lam = Li[:, t].mT @ (Li[:, t] @ G)  # Lambda = L^{-T} L^{-1} G
+                lam = LiTs[t] @ (Lis[t] @ G)  # Lambda = L^{-T} L^{-1} G
             lams[t] = lam
-            carry = gamma[:, t, None, None] * lam  # dL/dS_{t-1} = gamma_t Lambda_t
+            carry = gam[t] * lam  # dL/dS_{t-1} = gamma_t Lambda_t
         lam = torch.stack(lams, 1)  # [P, T, dk, dv]
         # eq. (app-grads), batched over all frames, with the residual V - K S expanded so that three N-row matmuls
         # suffice instead of four:
@@ -233,7 +249,8 @@ def joint_write_window(S, K, V, w, gamma, frame_valid=None, woodbury=None):
             f"joint_write_window: shape mismatch S {tuple(S.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}, "
             f"w {tuple(w.shape)}, gamma {tuple(gamma.shape)}"
         )
-    lead = torch.broadcast_shapes(S.shape[:-2], K.shape[:-3], V.shape[:-3], w.shape[:-2], gamma.shape[:-1])
+    leads = (S.shape[:-2], K.shape[:-3], V.shape[:-3], w.shape[:-2], gamma.shape[:-1])
+    lead = leads[0] if all(l == leads[0] for l in leads) else torch.broadcast_shapes(*leads)  # (the common case is cheap)
     dt = torch.float64 if torch.float64 in (S.dtype, K.dtype, V.dtype, w.dtype, gamma.dtype) else torch.float32
     with _exact_fp32():
         if frame_valid is not None:
