@@ -250,7 +250,7 @@ def joint_write_window(S, K, V, w, gamma, frame_valid=None, woodbury=None):
             f"w {tuple(w.shape)}, gamma {tuple(gamma.shape)}"
         )
     leads = (S.shape[:-2], K.shape[:-3], V.shape[:-3], w.shape[:-2], gamma.shape[:-1])
-    lead = leads[0] if all(l == leads[0] for l in leads) else torch.broadcast_shapes(*leads)  # (the common case is cheap)
+    lead = leads[0] if all(l == leads[0] for l in leads) else torch.broadcast_shapes(*leads)
     dt = torch.float64 if torch.float64 in (S.dtype, K.dtype, V.dtype, w.dtype, gamma.dtype) else torch.float32
     with _exact_fp32():
         if frame_valid is not None:
