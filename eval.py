@@ -433,7 +433,8 @@ class CheckpointPolicy:
     Deployment semantics (Sec. 3.4): every act() call is exactly one memory read-write transition; the action
     expert denoises a new chunk only every `replan` observations (a memory reset of a row also starts a new chunk
     for it); the memory persists across chunks. Actions come out un-normalised with the training statistics.
-    On a GPU the control step runs as CUDA graphs (GraphedControlStep) unless cuda_graphs=False."""
+    On a GPU the control step runs as CUDA graphs (GraphedControlStep) where the host allows it (Host.cuda_graphs;
+    the DiT host) unless cuda_graphs=False."""
 
     def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
         from train import load_checkpoint  # the checkpoint format lives with the trainer
@@ -447,7 +448,7 @@ class CheckpointPolicy:
         if not 1 <= replan <= cfg.chunk:
             raise ValueError(f"--replan {replan} must be in [1, chunk = {cfg.chunk}] for {ckpt}")
         self.replan, self.name = replan, ckpt
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
         self.state = self.chunk = self.age = self.graphed = None
 
     def reset(self, rows):

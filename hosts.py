@@ -276,6 +276,10 @@ class DiTHead(FlowHead):
 class Host(nn.Module):
     """What train.py and eval.py see. Subclasses define encode / context / head."""
 
+    # True where encode + step + sample never wait for the host, so that eval.py may capture a control step as CUDA
+    # graphs (checked on a GPU by test_cuda_graph_policy_acts_like_the_eager_policy)
+    cuda_graphs = False
+
     def instr_ids(self, instructions, device=None):
         """Instruction strings -> ids into the vocabulary saved with the checkpoint; unknown ones are an error."""
         index = {s: i for i, s in enumerate(self.cfg.vocab)}
@@ -318,6 +322,8 @@ class Host(nn.Module):
 
 class DiTHost(Host):
     """Shared-source pattern (appendix, DiT host): frame tokens are query, key and value sources at once (M = N)."""
+
+    cuda_graphs = True
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
@@ -459,7 +465,8 @@ class ExpertHead(FlowHead):
 class VLAHost(Host):
     """Separate-source pattern (appendix, pi0.5 host) at a size that runs: a frozen ViT as the "VLM" backbone
     ([instruction token | patch tokens of all cameras] through its first `vla_layers` blocks), memory layers aligned
-    with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert."""
+    with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert.
+    Not captured as CUDA graphs (cuda_graphs False): text_token reads the instruction ids on the host."""
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
