@@ -466,7 +466,7 @@ class VLAHost(Host):
     """Separate-source pattern (appendix, pi0.5 host) at a size that runs: a frozen ViT as the "VLM" backbone
     ([instruction token | patch tokens of all cameras] through its first `vla_layers` blocks), memory layers aligned
     with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert.
-    Not captured as CUDA graphs (cuda_graphs False): text_token reads the instruction ids on the host."""
+    Not captured as CUDA graphs (cuda_graphs False): not yet checked on a GPU."""
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
@@ -493,16 +493,15 @@ class VLAHost(Host):
         else:
             self.memory = None
         self.head = ExpertHead(cfg, D, nh, mem)
+        # frozen 'language model' embedding: a fixed pseudo-random vector per instruction string (seeded by its hash,
+        # not by the vocabulary's order), so the frozen features stay a pure function of (observation, instruction)
+        seeds = [int(hashlib.sha1(s.encode()).hexdigest()[:12], 16) for s in cfg.vocab]
+        table = [torch.randn(D, generator=torch.Generator().manual_seed(sd)) for sd in seeds]
+        self.register_buffer("text_table", torch.stack(table) if table else torch.zeros(0, D), persistent=False)
 
     def text_token(self, instr):
-        """Frozen 'language model' embedding: a fixed pseudo-random vector per instruction string (seeded by its
-        hash), so the frozen features stay a pure function of (observation, instruction)."""
-        out = []
-        for i in instr.tolist():
-            s = self.cfg.vocab[i]
-            g = torch.Generator().manual_seed(int(hashlib.sha1(s.encode()).hexdigest()[:12], 16))
-            out.append(torch.randn(self.D, generator=g))
-        return torch.stack(out).to(self.tower.mean.device)
+        """instruction ids [B] -> their frozen text tokens [B, D] (a lookup on the device: no host round trip)."""
+        return self.text_table[instr.to(self.text_table.device)]
 
     @torch.no_grad()
     def encode(self, images, instr):

@@ -4,7 +4,9 @@ independent computation; float64 wherever the paper claims exactness.
 
 Run: python -m pytest -q
 """
+import dataclasses
 import functools
+import hashlib
 import io
 import json
 import math
@@ -555,6 +557,19 @@ def test_dit_head_conditions_on_the_instruction():
         head.instr_cond.weight.zero_()
         head.t_mlp[-1].bias.add_(shift)
     assert torch.allclose(head.velocity(a, tau, ctx, s, torch.tensor([1, 0])), v0, atol=1e-6)
+
+
+def test_vla_text_token_is_a_function_of_the_string():
+    """The VLA host's frozen text token: a fixed vector per instruction STRING (randn seeded by its sha1), whatever
+    the vocabulary's order, looked up on the host's device (cached features stay valid across vocabularies)."""
+    a = tiny_host("vla", "native_kv")  # vocab ("pick it", "place it")
+    b = make_host("vla", dataclasses.replace(a.cfg, vocab=("place it", "other", "pick it")))
+    for s in ("pick it", "place it"):
+        g = torch.Generator().manual_seed(int(hashlib.sha1(s.encode()).hexdigest()[:12], 16))
+        want = torch.randn(a.D, generator=g)
+        assert torch.equal(a.text_token(torch.tensor([a.cfg.vocab.index(s)]))[0], want)
+        assert torch.equal(b.text_token(torch.tensor([b.cfg.vocab.index(s)]))[0], want)
+    assert "text_table" not in a.state_dict()  # rebuilt from the config, not stored in checkpoints
 
 
 def test_memory_prefix_keys_are_not_rotated():
