@@ -253,19 +253,15 @@ def fwd_and_fwdbwd(fns, inputs, device, args):
     }
 
 
-def graphed_fwdbwd(fns, inputs, device, args):
-    """Forward+backward of each fn(*inputs) in `fns` captured as one CUDA graph (eval.capture_cuda_graph) and timed
-    by its replays, interleaved: what is left is the GPU's kernel time, without Python's launch overhead.
-    Returns compare()'s ({name: median s}, {name: [s per round]})."""
+def graphed_fwdbwd(fn, inputs, device, args):
+    """Median seconds of fn(*inputs)'s forward+backward captured as one CUDA graph (eval.capture_cuda_graph) and
+    timed by its replays: what is left is the GPU's kernel time, without Python's launch overhead."""
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     with torch.no_grad():
-        g_out = torch.randn(next(iter(fns.values()))(*inputs).shape, generator=torch.Generator().manual_seed(1))
+        g_out = torch.randn(fn(*inputs).shape, generator=torch.Generator().manual_seed(1))
     g_out = g_out.to(device)  # a fixed upstream gradient dL/dS_new
-    replays = {}
-    for name, fn in fns.items():
-        graph, _ = capture_cuda_graph(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, g_out))
-        replays[name] = graph.replay
-    return compare(replays, device, args.min_run_time, args.rounds)
+    graph, _ = capture_cuda_graph(lambda: torch.autograd.grad(fn(*leaves), leaves, g_out))
+    return compare({"graph": graph.replay}, device, args.min_run_time, args.rounds)[0]["graph"]
 
 
 def part1(args, device, rep):
@@ -324,12 +320,12 @@ def part1(args, device, rep):
     if device.type == "cuda":  # launch overhead removed: the joint write replayed as a CUDA graph
         rows, raw_g = [], []
         for N, dk, P in [(N, dk, 32) for N, dk in grid] + sweep:
-            med, per = graphed_fwdbwd({"joint": joint_write}, make_frame(P, N, dk, dk, device), device, args)
+            t_graph = graphed_fwdbwd(joint_write, make_frame(P, N, dk, dk, device), device, args)
             eager = next(r for r in raw if (r["N"], r["dk"], r["P"]) == (N, dk, P))["median_s"]["fwdbwd"]
-            x = eager["solve"] / med["joint"]
-            raw_g.append({"N": N, "dk": dk, "P": P, "joint_graph_s": med["joint"], "eager_s": eager,
+            x = eager["solve"] / t_graph
+            raw_g.append({"N": N, "dk": dk, "P": P, "joint_graph_s": t_graph, "eager_s": eager,
                           "solve_eager_over_joint_graph": x})
-            rows.append([N, dk, P, ms(med["joint"]), ms(eager["joint"]), f"{eager['joint'] / med['joint']:.1f}",
+            rows.append([N, dk, P, ms(t_graph), ms(eager["joint"]), f"{eager['joint'] / t_graph:.1f}",
                          ms(eager["solve"]), f"{x:.2f}"])
         rep.data["part1_cuda_graphs"] = raw_g
         rep.section(
@@ -517,6 +513,7 @@ class KFrameContext(nn.Module):
 
 
 def part3(args, device, rep):
+    graphed = device.type == "cuda"  # also replay every policy step as a CUDA graph
     B = 1  # one robot: the latency of one control step
     ts = (10, 100, 1000)
     ks = (1, 4, 8, 16)
@@ -570,7 +567,6 @@ def part3(args, device, rep):
         fns["encode"] = encode
         med, per = compare(fns, device, args.min_run_time, args.rounds)
         enc = per["encode"]
-        graphed = device.type == "cuda"
         if graphed:  # the same steps replayed as CUDA graphs (as eval.py deploys them on a GPU)
             gmed, gper = compare({k: capture_cuda_graph(f)[0].replay for k, f in fns.items()}, device,
                                  args.min_run_time, args.rounds)
@@ -598,7 +594,6 @@ def part3(args, device, rep):
         raw[size] = out
         del host, base, ctxs, bufs
     rep.data["part3_deployment"] = raw
-    graphed = device.type == "cuda"
     rep.section(
         "Part 3: per-control-step latency, DRAM at episode step t vs a k-frame context (x = time / DRAM t=10 time)",
         ["host size", "policy", "head tokens", "step ms (excl. encoder)", "x", "step ms incl. encoder", "x incl. encoder"]
