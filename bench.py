@@ -37,8 +37,8 @@ import torch.utils.benchmark as benchmark
 
 import dram
 from dram import DRAMConfig, DRAMLayer, joint_write, sequential_delta_write, write_weights
-from eval import capture_cuda_graph
-from hosts import HostConfig, make_host
+from hosts import HostConfig, capture_cuda_graph, make_host
+from train import GraphedTrainStep, train_step
 
 # ----------------------------------------------------------------------------------------------------------
 # Timing, machine description, report
@@ -254,7 +254,7 @@ def fwd_and_fwdbwd(fns, inputs, device, args):
 
 
 def graphed_fwdbwd(fn, inputs, device, args):
-    """Median seconds of fn(*inputs)'s forward+backward captured as one CUDA graph (eval.capture_cuda_graph) and
+    """Median seconds of fn(*inputs)'s forward+backward captured as one CUDA graph (hosts.capture_cuda_graph) and
     timed by its replays: what is left is the GPU's kernel time, without Python's launch overhead."""
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     with torch.no_grad():
@@ -625,39 +625,42 @@ def part3(args, device, rep):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def make_train_step(host, opt, B, T, device, g, images=None):
-    """One TBPTT training step as train.py runs it: host.loss over a window (bf16 autocast on CUDA), mean over
-    valid frames, backward, clip, AdamW. Reads cached features [B, T, NP, D], or with `images` (dict cam ->
-    uint8 [B T, s, s, 3]) encodes them inside the step with the frozen tower (the no-cache path)."""
+def make_train_step(host, opt, B, T, device, g, images=None, graphs=False):
+    """One TBPTT training step as train.py runs it (train.train_step: host.loss over a window, bf16 autocast on
+    CUDA, mean over valid frames, backward, clip, AdamW). Reads cached features [B, T, NP, D], or with `images`
+    (dict cam -> uint8 [B T, s, s, 3]) encodes them inside the step with the frozen tower (the no-cache path).
+    graphs: the step as train.py --cuda-graphs runs it (train.GraphedTrainStep; opt from adamw(capturable=True))."""
     cfg = host.cfg
     NP = tokens_per_frame(host)
-    feats = torch.randn(B, T, NP, host.tower.width, generator=g).to(device)  # [B, T, NP, D]
-    instr = torch.zeros(B, dtype=torch.long, device=device)
-    svec = torch.randn(B, T, cfg.state_dim, generator=g).to(device)  # [B, T, Ds]
-    actions = torch.randn(B, T, cfg.chunk, cfg.action_dim, generator=g).to(device)  # [B, T, C, Da]
-    amask = torch.ones(B, T, cfg.chunk, dtype=torch.bool, device=device)  # [B, T, C]
-    fvalid = torch.ones(B, T, dtype=torch.bool, device=device)  # [B, T]
+    batch = dict(
+        tokens=torch.randn(B, T, NP, host.tower.width, generator=g).to(device),  # [B, T, NP, D]
+        instr=torch.zeros(B, dtype=torch.long, device=device),
+        state=torch.randn(B, T, cfg.state_dim, generator=g).to(device),  # [B, T, Ds]
+        actions=torch.randn(B, T, cfg.chunk, cfg.action_dim, generator=g).to(device),  # [B, T, C, Da]
+        action_mask=torch.ones(B, T, cfg.chunk, dtype=torch.bool, device=device),  # [B, T, C]
+        frame_valid=torch.ones(B, T, dtype=torch.bool, device=device),  # [B, T]
+        reset=torch.zeros(B, dtype=torch.bool, device=device),  # [B]
+    )
     S0 = host.init_state(B, device)
     if S0.numel():
         S0 = 0.1 * torch.randn(S0.shape, generator=g).to(device)  # a carried-over (detached) state
     params = host.trainable_parameters()
+    if graphs:
+        graphed = GraphedTrainStep(host, opt, params, batch, S0, 1.0)
+        return lambda: graphed(batch)
 
     def step():
-        f = feats
-        if images is not None:
-            f = host.encode(images).view(B, T, NP, -1)  # [B T, NP, D] -> [B, T, NP, D]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss_sum, n, _ = host.loss(f, instr, S0, svec, actions, amask, fvalid)
-        opt.zero_grad(set_to_none=True)
-        (loss_sum / n).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        b = batch if images is None else dict(batch, tokens=host.encode(images).view(B, T, NP, -1))  # [B, T, NP, D]
+        train_step(host, opt, params, b, S0, 1.0)
 
     return step
 
 
-def adamw(host):
-    return torch.optim.AdamW(host.trainable_parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+def adamw(host, capturable=False):
+    """train.py's optimizer; capturable: AdamW's step count and lr on the device, as --cuda-graphs sets them."""
+    lr = torch.tensor(1e-4, device=host.tower.mean.device) if capturable else 1e-4
+    return torch.optim.AdamW(host.trainable_parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
+                             capturable=capturable)
 
 
 def saved_tensor_bytes(fn, params):
@@ -688,6 +691,9 @@ def part4(args, device, rep):
         dram_host, none_host = make_dit(size, "dram", device).train(), make_dit(size, "none", device).train()
         steps = {"dram": make_train_step(dram_host, adamw(dram_host), B, T, device, g),
                  "none": make_train_step(none_host, adamw(none_host), B, T, device, g)}
+        if device.type == "cuda":  # the same steps as CUDA graph replays (train.py --cuda-graphs)
+            steps |= {f"{k} graph": make_train_step(h, adamw(h, capturable=True), B, T, device, g, graphs=True)
+                      for k, h in (("dram", dram_host), ("none", none_host))}
         med, per = compare(steps, device, args.min_run_time, args.rounds)
         overhead = ratio(per, "dram", "none")  # DRAM step time / memoryless step time (same frames per step)
 
@@ -715,6 +721,11 @@ def part4(args, device, rep):
                      "onthefly_s": t_otf, "onthefly_over_cache": cache_x, "onthefly_how": how}
         rows.append([size, f"{fps['dram']:.0f}", f"{fps['none']:.0f}", f"{overhead:.2f}",
                      f"{B * T / t_otf:.1f}", f"{cache_x:.1f}", how])
+        if device.type == "cuda":
+            raw[size]["graph_dram_over_none"] = ratio(per, "dram graph", "none graph")
+            raw[size]["graph_speedup"] = {k: ratio(per, k, f"{k} graph") for k in ("dram", "none")}
+            rows[-1] += [f"{fps['dram graph']:.0f}", f"{fps['none graph']:.0f}",
+                         f"{raw[size]['graph_dram_over_none']:.2f}"]
 
         # activation memory against the window length T (linear in B: a --quick CPU run uses B = 2)
         mem = []
@@ -746,11 +757,14 @@ def part4(args, device, rep):
     rep.section(
         f"Part 4a: training step frames/s (B = {B}, T = {T}; host.loss + backward + clip + AdamW)",
         ["host size", "DRAM frames/s (cache)", "none frames/s (cache)", "DRAM time / none time",
-         "DRAM frames/s on the fly", "cache x vs on the fly", "on-the-fly timing"],
+         "DRAM frames/s on the fly", "cache x vs on the fly", "on-the-fly timing"]
+        + (["DRAM frames/s (CUDA graph)", "none frames/s (CUDA graph)", "DRAM / none (CUDA graphs)"]
+           if device.type == "cuda" else []),
         rows,
         note="Both read cached features (random tensors of the tower's output shape); 'on the fly' encodes uint8 "
         "images of the suite's resolution (2 cameras) with the frozen tower inside the step."
-        + (" bf16 autocast as in train.py." if device.type == "cuda" else ""),
+        + (" bf16 autocast as in train.py. CUDA graph: the step captured as one graph (train.py --cuda-graphs: "
+           "train.GraphedTrainStep, capturable AdamW) and timed by replays." if device.type == "cuda" else ""),
     )
     head = ["host size", "T", "DRAM saved MiB", "none saved MiB", "DRAM saved MiB / frame"]
     if device.type == "cuda":
@@ -766,6 +780,9 @@ def part4(args, device, rep):
     )
     for size in HOST_SIZES:
         rep.target(f"{size}: DRAM training time per frame vs memory=none", raw[size]["dram_over_none"], 1.3, kind="<=")
+        if device.type == "cuda":
+            rep.target(f"{size}: DRAM training time per frame vs memory=none, both CUDA graphs",
+                       raw[size]["graph_dram_over_none"], 1.3, kind="<=")
         rep.target(f"{size}: feature cache vs on-the-fly encoding, frames/s", raw[size]["onthefly_over_cache"], 10.0)
 
 

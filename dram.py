@@ -445,7 +445,7 @@ class DRAMLayer(nn.Module):
             y = torch.where(frame_valid[:, None, None], y, x_q)
         return y, R, new_state
 
-    def forward(self, x_q, x_k, x_v, state, q_mask=None, kv_mask=None, frame_valid=None):
+    def forward(self, x_q, x_k, x_v, state, q_mask=None, kv_mask=None, frame_valid=None, fixed_shapes=False):
         """A TBPTT window of T frames. x_q [B, T, M, D_Q], x_k [B, T, N, D_K], x_v [B, T, N, D_V], state [B, H, dk, dv].
 
         Projections, gates, Gram matrices and Cholesky factors of all T frames are computed in one batched pass,
@@ -453,9 +453,12 @@ class DRAMLayer(nn.Module):
         Equals T calls of `step`. Returns (y [B, T, M, D_Q], readout [B, T, M, H dv], final state [B, H, dk, dv]).
 
         Padded frames (frame_valid False, past the end of an episode) pass through: no read (R = 0), no write,
-        y = x_q. Only the valid frames are projected and fused (in training ~20% of the frames are padding)."""
+        y = x_q. Only the valid frames are projected and fused (in training ~20% of the frames are padding), which
+        makes tensor shapes depend on frame_valid's values, read on the host. fixed_shapes=True computes all B T
+        frames and masks the padded ones instead (same result, no host round trip: a training step can then be
+        captured as a CUDA graph)."""
         B, T, M, _ = x_q.shape
-        sel = None if frame_valid is None or bool(frame_valid.all()) else frame_valid  # [B, T] bool
+        sel = None if frame_valid is None or fixed_shapes or bool(frame_valid.all()) else frame_valid  # [B, T] bool
         if sel is None:
             Q, K, V, w, gamma = self.project(x_q, x_k, x_v, kv_mask)  # Q [B, T, H, M, dk], ..., gamma [B, T, H]
         else:  # project the F valid frames, then scatter into [B, T, ...] with zeros in the padded frames
@@ -478,7 +481,11 @@ class DRAMLayer(nn.Module):
         R = read(Q.transpose(1, 2), prev)  # [B, H, T, M, dv]  eq. (read), pre-update states
         R = R.permute(0, 2, 3, 1, 4).reshape(B, T, M, -1)  # [B, T, M, H dv]  (0 in padded frames: Q = 0)
         if sel is None:
+            if fixed_shapes and frame_valid is not None:  # Q was not zeroed in padded frames: mask as `step` does
+                R = R * frame_valid[:, :, None, None].to(R.dtype)
             y = self.fuse(x_q, R, q_mask)
+            if fixed_shapes and frame_valid is not None:
+                y = torch.where(frame_valid[:, :, None, None], y, x_q)
         else:
             y = x_q.index_put((sel,), self.fuse(xq_v, R[sel], None if q_mask is None else q_mask[sel]))
         return y, R, states[:, :, -1]
@@ -509,10 +516,10 @@ class DRAMStack(nn.Module):
             new.append(s)
         return x, torch.stack(new, 1)
 
-    def forward(self, x, state, mask=None, frame_valid=None):
+    def forward(self, x, state, mask=None, frame_valid=None, fixed_shapes=False):
         """x [B, T, N, D], state [B, L, H, dk, dv] -> (y [B, T, N, D], final state)."""
         new = []
         for l, layer in enumerate(self.layers):
-            x, _, s = layer(x, x, x, state[:, l], mask, mask, frame_valid)
+            x, _, s = layer(x, x, x, state[:, l], mask, mask, frame_valid, fixed_shapes)
             new.append(s)
         return x, torch.stack(new, 1)

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 import data  # noqa: E402
 from data import policy_frame  # noqa: E402  raw obs -> (upright images, 8-d state), shared with training
+from hosts import capture_cuda_graph  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------
 # LIBERO protocol constants (openpi examples/libero/main.py)
@@ -365,23 +366,6 @@ class RandomPolicy:
 
     def act(self, frames, instructions):
         return self.rng.uniform(-1.0, 1.0, size=(len(frames), 7))  # [n, 7]
-
-
-def capture_cuda_graph(fn, warmup=3):
-    """Record fn() as a CUDA graph. Returns (graph, out): graph.replay() reruns all of fn's kernels with one launch,
-    on the same input buffers (the tensors fn reads) and into the same output buffers (out). fn must not
-    synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
-    initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 class GraphedControlStep:

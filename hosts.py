@@ -157,9 +157,19 @@ def stack_cameras(images, cameras, device):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def sample_tau(n, device):
-    """tau = 0.999 b + 0.001, b ~ Beta(1.5, 1) (eq. fm): favours the noisy end tau -> 1."""
-    b = torch.distributions.Beta(torch.tensor(1.5), torch.tensor(1.0)).sample((n,)).to(device)
+def sample_tau(n, device, inverse_cdf=None):
+    """tau = 0.999 b + 0.001, b ~ Beta(1.5, 1) (eq. fm): favours the noisy end tau -> 1.
+
+    Two samplers of the same law. On a GPU (inverse_cdf=None picks it off the CPU) b = U^(2/3), U ~ U(0, 1), the
+    inverse of Beta(1.5, 1)'s CDF F(b) = b^1.5, drawn on the device: a training step captured as a CUDA graph
+    then draws new tau at every replay (a CPU draw copied over would be frozen into the graph). On the CPU
+    torch.distributions' Beta sampler, whose random stream the README's CPU runs were trained with."""
+    if inverse_cdf is None:
+        inverse_cdf = torch.device(device).type != "cpu"
+    if inverse_cdf:
+        b = torch.rand(n, device=device) ** (2.0 / 3.0)
+    else:
+        b = torch.distributions.Beta(torch.tensor(1.5), torch.tensor(1.0)).sample((n,)).to(device)
     return 0.999 * b + 0.001
 
 
@@ -296,18 +306,28 @@ class Host(nn.Module):
         ctx, state = self.context(feats[:, None], instr, state)
         return {k: v[:, 0] for k, v in ctx.items()}, state
 
-    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid):
+    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid, fixed_shapes=False):
         """Flow-matching loss of a TBPTT window. feats [B, T, ...], state_vec [B, T, Ds], actions [B, T, C, Da],
         action_mask [B, T, C], frame_valid [B, T]. Gradients run through the whole window (reads, gates, solve).
-        Returns (sum over valid frames of the per-frame loss, number of valid frames, new memory state)."""
-        ctx, new_state = self.context(feats, instr, state, frame_valid)  # ctx values [B, T, ...]
+        Returns (sum over valid frames of the per-frame loss, number of valid frames [] long, new memory state).
+
+        Only the valid frames reach the memory's projections and the head, selected by boolean indexing (shapes
+        depend on frame_valid's values). fixed_shapes=True runs all B T frames and zeroes the padded frames'
+        losses instead: the same loss (for the same tau and noise), no host round trip, ~20% more work."""
+        ctx, new_state = self.context(feats, instr, state, frame_valid, fixed_shapes)  # ctx values [B, T, ...]
         B, T = frame_valid.shape
-        sel = frame_valid.reshape(-1)  # [B T] only valid frames reach the head
-        pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
+        sel = frame_valid.reshape(-1)  # [B T]
+        if fixed_shapes:
+            pick = lambda x: x.reshape(B * T, *x.shape[2:])  # [B, T, ...] -> [B T, ...]
+            instr_v = instr[:, None].expand(B, T).reshape(-1)  # [B T]
+        else:  # only valid frames reach the head
+            pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
+            instr_v = instr[:, None].expand(B, T).reshape(-1)[sel]  # [F]
         ctx_v = {k: pick(v) for k, v in ctx.items()}
-        instr_v = instr[:, None].expand(B, T).reshape(-1)[sel]  # [F]
-        per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F]
-        return per_frame.sum(), int(sel.sum()), new_state
+        per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F | B T]
+        if fixed_shapes:
+            per_frame = per_frame * sel.to(per_frame.dtype)
+        return per_frame.sum(), sel.sum(), new_state
 
     def sample(self, ctx, state_vec, instr, noise=None, steps=None):
         """Action chunk [B, C, Da] (normalised units) for one frame's context; noise fixes the draw for tests."""
@@ -357,7 +377,7 @@ class DiTHost(Host):
             return torch.zeros(batch_size, 0, device=device)
         return self.memory.init_state(batch_size, device)
 
-    def context(self, feats, instr, state, frame_valid=None):
+    def context(self, feats, instr, state, frame_valid=None, fixed_shapes=False):
         """feats [B, T, n_cam P, D] -> ({"tokens": Y [B, T, n_cam P + 1, D]}, new_state)."""
         B, T, NP, D = feats.shape
         n_cam = len(self.cfg.cameras)
@@ -368,7 +388,7 @@ class DiTHost(Host):
         x = torch.cat([x, lang], 2)  # [B, T, N, D] the frame's token sequence X_t
         if self.memory is None:
             return {"tokens": x}, state
-        y, state = self.memory(x, state, None, frame_valid)  # shared source: X^Q = X^K = X^V = X_t
+        y, state = self.memory(x, state, None, frame_valid, fixed_shapes)  # shared source: X^Q = X^K = X^V = X_t
         return {"tokens": y}, state
 
 
@@ -527,7 +547,7 @@ class VLAHost(Host):
             return torch.zeros(batch_size, 0, device=device)
         return torch.stack([m.init_state(batch_size, device) for m in self.memory], 1)  # [B, L_mem, H, dk, dv]
 
-    def context(self, feats, instr, state, frame_valid=None):
+    def context(self, feats, instr, state, frame_valid=None, fixed_shapes=False):
         """feats [B, T, L 3 n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
         Only the query slots evolve across memory layers; the host's own tokens are untouched."""
         B, T, LN, D = feats.shape
@@ -546,12 +566,33 @@ class VLAHost(Host):
                 xk = xv = src[:, :, 2]  # backbone layer-l hidden tokens
             else:
                 xk = xv = src  # final-layer hidden tokens, shared by every memory layer
-            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid)  # fused slots [B, T, M, D]
+            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid, fixed_shapes)
+            # q: fused slots [B, T, M, D]
             outs.append(q)
             new.append(s)
         prefix = torch.stack(outs[-1:] if self.cfg.write_source == "last_hidden" else outs, 2)  # [B, T, L_mem, M, D]
         ctx["prefix"] = prefix
         return ctx, torch.stack(new, 1)
+
+
+def capture_cuda_graph(fn, warmup=3, after_warmup=None):
+    """Record fn() as a CUDA graph. Returns (graph, out): graph.replay() reruns all of fn's kernels with one launch,
+    on the same input buffers (the tensors fn reads) and into the same output buffers (out). fn must not
+    synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
+    initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn. after_warmup() runs
+    between them and the capture. Used by eval.py (control step), train.py (training step) and bench.py."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if after_warmup is not None:
+        after_warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def make_host(name, config: HostConfig):

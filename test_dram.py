@@ -355,12 +355,17 @@ def test_window_forward_equals_step_loop_with_masks_and_grads():
         assert close(y, torch.stack(ys, 1)) and close(R, torch.stack(Rs, 1)) and close(S_T, S)
         # padded frames pass through: no read, y = x_q (only valid frames are projected and fused)
         assert torch.equal(y[0, 4:], xq[0, 4:]) and not R[0, 4:].any() and R[0, 1:4].abs().sum() > 0
+        # fixed_shapes: every frame projected and fused, the padded ones masked (no host round trip): same window
+        yf, Rf, Sf = layer(xq, xk, xv, S0, qm, km, fv, fixed_shapes=True)
+        assert close(yf, y) and close(Rf, R) and close(Sf, S_T)
+        assert torch.equal(yf[0, 4:], xq[0, 4:]) and not Rf[0, 4:].any()
         # gradients agree too (the window backward runs the adjoint recurrence in reverse time)
         g1 = torch.autograd.grad((y.pow(2).sum() + S_T.sum()), list(layer.parameters()), allow_unused=True)
         g2 = torch.autograd.grad((torch.stack(ys, 1).pow(2).sum() + S.sum()), list(layer.parameters()), allow_unused=True)
-        for a, b in zip(g1, g2):
+        g3 = torch.autograd.grad((yf.pow(2).sum() + Sf.sum()), list(layer.parameters()), allow_unused=True)
+        for a, b, c in zip(g1, g2, g3):
             if a is not None:
-                assert close(a, b)
+                assert close(a, b) and close(c, b)
 
 
 def test_native_kv_layer():
@@ -437,6 +442,47 @@ def random_window(host, B=2, T=3, seed=0):
                  action_mask=torch.ones(B, T, C, dtype=torch.bool), frame_valid=torch.ones(B, T, dtype=torch.bool))
     batch["action_mask"][0, -1, 2:] = False
     return feats, instr, batch
+
+
+@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+def test_host_loss_with_fixed_shapes_equals_the_indexed_loss(kind, ws, monkeypatch):
+    """Host.loss(fixed_shapes=True) runs padded frames through memory and head and zeroes their losses (what a
+    CUDA graph needs); the default path indexes the valid frames out. Same tau and noise per frame (drawn as fixed
+    functions here, as the two paths draw different numbers of them): same loss, valid-frame count, state and
+    gradients."""
+    monkeypatch.setattr(hosts, "sample_tau", lambda n, device, inverse_cdf=None: torch.full((n,), 0.6, device=device))
+    monkeypatch.setattr(torch, "randn_like", lambda x: torch.sin(3 * x))
+    host = perturb(tiny_host(kind, ws))
+    feats, instr, b = random_window(host, B=2, T=4)
+    b["frame_valid"][1, 2:] = False  # episode ended inside the window; its action mask stays True on purpose
+    S0 = 0.3 * torch.randn(host.init_state(2).shape)
+    out = []
+    for fixed in (False, True):
+        loss, n, S = host.loss(feats, instr, S0, **b, fixed_shapes=fixed)
+        out.append((loss, n, S, torch.autograd.grad(loss, host.trainable_parameters(), allow_unused=True)))
+    (l0, n0, S0_, g0), (l1, n1, S1_, g1) = out
+    assert n0.item() == n1.item() == 6 and l0 > 0
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=0)
+    torch.testing.assert_close(S1_, S0_, rtol=1e-5, atol=1e-6)
+    for a, c in zip(g0, g1):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
+
+
+def test_sample_tau_both_samplers_follow_beta():
+    """Both tau samplers (inverse CDF on the device, torch.distributions on the CPU) draw b ~ Beta(1.5, 1), whose CDF
+    is b^1.5: Kolmogorov-Smirnov distance against the closed form (5 % critical value 1.36 / sqrt(n) = 0.0096)."""
+    n = 20000
+    torch.manual_seed(0)
+    for inverse_cdf in (True, False):
+        tau = hosts.sample_tau(n, "cpu", inverse_cdf=inverse_cdf)
+        b = ((tau - 0.001) / 0.999).sort().values.double()
+        cdf = b.clamp(0, 1) ** 1.5
+        i = torch.arange(1, n + 1, dtype=torch.float64)
+        ks = torch.maximum(i / n - cdf, cdf - (i - 1) / n).max().item()
+        assert ks < 0.0096, (inverse_cdf, ks)
+        assert 0.001 <= tau.min() and tau.max() <= 1.0
 
 
 def perturb(host, seed=1):
@@ -1499,6 +1545,107 @@ def test_memory_lr_multiplier(tmp_path):
 def test_train_on_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--device cuda: 1 process.* need one GPU each, this machine has 0"):
         tiny_train(tmp_path, "a", "--steps", "1", "--device", "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_graphs_on_the_cpu_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--cuda-graphs needs --device cuda and one process"):
+        tiny_train(tmp_path, "a", "--steps", "1", "--device", "cpu", "--cuda-graphs")
+
+
+def train_windows(host, n=4, B=2, T=3):
+    """n consecutive training batches as FrameData.batch makes them: streams carry their state (reset False) or
+    start an episode (reset True), one episode ends inside a window (padded frames, action mask False)."""
+    out = []
+    for i in range(n):
+        feats, instr, b = random_window(host, B, T, seed=i)
+        b["frame_valid"][1, 1:] = i != 2
+        b["action_mask"] &= b["frame_valid"][..., None]
+        out.append(dict(tokens=feats, instr=instr, state=b["state_vec"], actions=b["actions"],
+                        action_mask=b["action_mask"], frame_valid=b["frame_valid"],
+                        reset=torch.tensor([i == 0, i in (0, 3)])))
+    return out
+
+
+def run_train_steps(graphed, device, capture=None, lrs=(3e-3, 2e-3, 1e-3, 5e-4)):
+    """train.py's step over train_windows, eager (train_step, fixed shapes) or as a GraphedTrainStep.
+    Returns (host, optimizer, per-step (loss, n, state))."""
+    host = perturb(tiny_host("dit")).to(device)
+    params = host.trainable_parameters()
+    cuda = torch.device(device).type == "cuda"
+    lr = (lambda: torch.tensor(1.0, device=device)) if graphed and cuda else (lambda: 1.0)  # see train.set_lr
+    opt = torch.optim.AdamW([dict(params=params, lr=lr(), lr_mult=1.0)], betas=(0.9, 0.95), weight_decay=0.1,
+                            capturable=cuda)
+    batches = [{k: v.to(device) for k, v in b.items()} for b in train_windows(host)]
+    state, step, out = host.init_state(2, device), None, []
+    torch.manual_seed(7)
+    for b, v in zip(batches, lrs):
+        train.set_lr(opt, v)
+        if not graphed:
+            loss, n, state = train.train_step(host, opt, params, b, state, 1.0, fixed_shapes=True)
+        else:
+            if step is None:
+                step = train.GraphedTrainStep(host, opt, params, b, state, 1.0, capture)
+            loss, n, state = step(b)
+        out.append((loss.clone(), n.clone(), state.clone()))
+    return host, opt, step, out
+
+
+def test_graphed_train_step_replays_like_the_eager_step():
+    """GraphedTrainStep's plumbing on the CPU, with a stand-in for the CUDA graph capture: a 'replay' reruns the step
+    and writes into the static outputs returned at capture. Against eager train_step over four windows (carried
+    state, resets, padded frames, a changing lr): the same losses, states and weights, so the warm-up steps that a
+    capture needs leave no trace (weights, AdamW state and RNG restored). (lr stays a float on the CPU, where
+    AdamW cannot be capturable; the GPU test covers the lr tensor.)"""
+
+    def stand_in_capture(fn, warmup=3, after_warmup=None):
+        for _ in range(warmup):
+            fn()
+        after_warmup()
+        with torch.random.fork_rng():  # a real capture runs nothing: GraphedTrainStep undoes the weights' change
+            out = fn()
+
+        class Graph:
+            def replay(self):
+                for o, new in zip(out, fn()):
+                    o.copy_(new)
+
+        return Graph(), out
+
+    h0, opt0, _, eager = run_train_steps(False, "cpu")
+    h1, opt1, _, graphed = run_train_steps(True, "cpu", stand_in_capture)
+    for (l0, n0, s0), (l1, n1, s1) in zip(eager, graphed):  # the same operations in the same order: bitwise
+        assert torch.equal(l1, l0) and torch.equal(n1, n0) and torch.equal(s1, s0) and s0.abs().sum() > 0
+    assert [n.item() for _, n, _ in eager] == [6, 6, 4, 6]
+    for p0, p1 in zip(h0.trainable_parameters(), h1.trainable_parameters()):
+        assert torch.equal(p1, p0)
+    assert all(st["step"].item() == 4 for st in opt1.state.values())  # four steps, not four + warm-up + capture
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
+def test_graphed_train_step_on_cuda(tmp_path):
+    """The captured training step against the eager one on a GPU (bf16 autocast, capturable AdamW): same losses,
+    states and weights over four windows; a replay reads the lr set after capture (lr 0 leaves the weights);
+    train.py --cuda-graphs resumes exactly."""
+    h0, _, _, eager = run_train_steps(False, "cuda")
+    h1, opt1, step, graphed = run_train_steps(True, "cuda")
+    for (l0, n0, s0), (l1, n1, s1) in zip(eager, graphed):
+        torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-5)
+        assert n1.item() == n0.item()
+        torch.testing.assert_close(s1, s0, rtol=1e-3, atol=1e-4)
+    for p0, p1 in zip(h0.trainable_parameters(), h1.trainable_parameters()):
+        torch.testing.assert_close(p1, p0, rtol=1e-3, atol=1e-4)
+    before = [p.detach().clone() for p in h1.trainable_parameters()]
+    train.set_lr(opt1, 0.0)
+    step(train_windows(h1)[1])  # any window: with lr 0 AdamW moves nothing (decay is lr-scaled too)
+    assert all(torch.equal(a, p) for a, p in zip(before, h1.trainable_parameters()))
+
+    a = tiny_train(tmp_path, "a", "--steps", "6", "--device", "cuda", "--cuda-graphs")
+    tiny_train(tmp_path, "b", "--steps", "6", "--device", "cuda", "--cuda-graphs", "--stop-at", "3")
+    b = tiny_train(tmp_path, "b", "--steps", "6", "--device", "cuda", "--cuda-graphs", "--resume")
+    wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    for k in wa["model"]:
+        torch.testing.assert_close(wb["model"][k], wa["model"][k], rtol=1e-4, atol=1e-6)
 
 
 def test_ddp_two_processes_gloo(tmp_path):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
-from hosts import HostConfig, make_host
+from hosts import HostConfig, capture_cuda_graph, make_host
 
 # defaults tuned for the embedded memory suite on 2 CPU cores (python train.py, under 10 minutes): one memory layer
 # instead of the host's default two buys more steps in that budget, which mattered more when measured (commit
@@ -81,6 +81,8 @@ def get_args(argv=None):
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--cuda-graphs", action="store_true", help="GPU, one process: run each training step as one "
+                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
@@ -156,6 +158,95 @@ def lr_at(step, a):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# One training step, eager or captured as a CUDA graph
+# ----------------------------------------------------------------------------------------------------------
+
+
+def train_step(host, opt, params, batch, state, clip, fixed_shapes=False, world=1):
+    """One TBPTT step on a window: zero the memory rows of streams that start an episode, flow-matching loss over
+    the window (eq. fm, mean over valid frames), backward through the whole window, clip, AdamW.
+    state [B, ...] is the state carried from the stream's previous window (detached at the window boundary).
+    Returns (loss [], valid frames [] (this rank's), new state detached)."""
+    state = host.reset_state(state.detach(), batch["reset"])
+    # bf16 autocast on CUDA only (the joint solve stays fp32 by itself); no weight-cast cache: it would hold
+    # tensors across a CUDA graph's capture boundary (torch.cuda.graph's documented restriction)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda, cache_enabled=False):
+        loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
+                                       batch["action_mask"], batch["frame_valid"], fixed_shapes)
+    n_all = n.float()
+    if world > 1:
+        n_all = n_all.clone()
+        dist.all_reduce(n_all)  # valid-frame losses are averaged over all ranks' frames
+    loss = loss_sum / n_all.clamp(min=1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if world > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)  # sum of per-rank sums / total frames = mean over all valid frames
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    return loss.detach(), n, state.detach()
+
+
+class GraphedTrainStep:
+    """train_step as one CUDA graph (--cuda-graphs): on a GPU a training step of this repo's hosts is thousands of
+    small kernels, and eagerly the GPU waits on Python to launch them (bench.py part 4); a replay launches them
+    all at once. Needs fixed shapes (padded frames computed and masked: Host.loss fixed_shapes), an optimizer
+    whose step and lr live on the device (AdamW capturable=True, tensor lr: set_lr), and one process.
+
+    Inputs are copied into static buffers before each replay; the memory state lives in `self.state`, carried
+    from replay to replay in place. The warm-up runs that capture needs would train on the first batch, so the
+    weights, the optimizer state and the RNG are restored afterwards: the graphed run starts where the eager one
+    would."""
+
+    def __init__(self, host, opt, params, batch, state, clip, capture=None):
+        self.batch = {k: v.clone() for k, v in batch.items()}  # static inputs, [B, T, ...] as FrameData.batch
+        self.state = state.detach().clone()  # [B, ...] carried memory state, overwritten by every replay
+        weights = [p.detach().clone() for p in params]
+        opt_state = {p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for p, st in opt.state.items()}
+        state0 = self.state.clone()
+        dev = self.state.device
+        rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+        def step():
+            loss, n, new_state = train_step(host, opt, params, self.batch, self.state, clip, fixed_shapes=True)
+            self.state.copy_(new_state)
+            return loss, n
+
+        def restore_rng():
+            torch.cuda.set_rng_state(rng, dev) if dev.type == "cuda" else torch.set_rng_state(rng)
+
+        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(step, after_warmup=restore_rng)
+        with torch.no_grad():  # undo the warm-up steps (the capture itself runs nothing)
+            for p, w in zip(params, weights):
+                p.copy_(w)
+            for p, st in opt.state.items():  # state created by the warm-up is zeroed: AdamW's initial state
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        v.copy_(opt_state[p][k]) if p in opt_state else v.zero_()
+            self.state.copy_(state0)
+
+    def __call__(self, batch):
+        """One training step on `batch` (same shapes as the first). Returns (loss [], n [], state), device tensors
+        owned by the graph: read them before the next call."""
+        for k, v in self.batch.items():
+            v.copy_(batch[k])
+        self.graph.replay()
+        return self.loss, self.n, self.state
+
+
+def set_lr(opt, lr):
+    """Scheduled lr x each group's multiplier. A graphed step reads lr from a device tensor (filled in place)."""
+    for g in opt.param_groups:
+        if torch.is_tensor(g["lr"]):
+            g["lr"].fill_(lr * g["lr_mult"])
+        else:
+            g["lr"] = lr * g["lr_mult"]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Data -> host
 # ----------------------------------------------------------------------------------------------------------
 
@@ -209,6 +300,9 @@ def setup_distributed(a):
 def main(argv=None):
     a = get_args(argv)
     rank, world = setup_distributed(a)
+    if a.cuda_graphs and (torch.device(a.device).type != "cuda" or world > 1):
+        raise SystemExit(f"--cuda-graphs needs --device cuda and one process (got --device {a.device}, "
+                         f"{world} processes)")
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
@@ -279,6 +373,12 @@ def main(argv=None):
         step = ck["step"]
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
+    # a graphed step reads lr and AdamW's step count from the device (also when resuming a run made the other way)
+    for g in opt.param_groups:
+        g["capturable"] = a.cuda_graphs
+        g["lr"] = torch.tensor(float(g["lr"]), device=dev) if a.cuda_graphs else float(g["lr"])
+    for st in opt.state.values():
+        st["step"] = st["step"].to(dev if a.cuda_graphs else "cpu", torch.float32)
 
     def checkpoint():
         """Every rank contributes its sampler position, memory state and RNG; rank 0 writes."""
@@ -297,35 +397,23 @@ def main(argv=None):
                 mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
                 tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world))
 
-    use_bf16 = dev.type == "cuda"  # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
     host.train()
+    graphed = None  # GraphedTrainStep, captured on the first window (--cuda-graphs)
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames, losses = time.time(), 0, []
     stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
     while step < stop:
         batch = fd.batch(sampler.next_window(), device=dev)
-        # TBPTT: carry the state of each stream, detached at the window boundary; zero it where an episode starts
-        mem_state = host.reset_state(mem_state.detach(), batch["reset"])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, a) * g["lr_mult"]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-            loss_sum, n, mem_state = host.loss(batch["tokens"], batch["instr"], mem_state, batch["state"],
-                                               batch["actions"], batch["action_mask"], batch["frame_valid"])
-        n_all = torch.tensor(float(n), device=dev)
-        if world > 1:
-            dist.all_reduce(n_all)  # valid-frame losses are averaged over all ranks' frames
-        loss = loss_sum / n_all.clamp(min=1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)  # sum of per-rank sums / total frames = mean over all valid frames
-        torch.nn.utils.clip_grad_norm_(params, a.clip)
-        opt.step()
+        set_lr(opt, lr_at(step, a))
+        # TBPTT: each stream's state is carried over from its previous window (zeroed where an episode starts)
+        if a.cuda_graphs:
+            if graphed is None:
+                graphed = GraphedTrainStep(host, opt, params, batch, mem_state, a.clip)
+            loss, n, mem_state = graphed(batch)
+        else:
+            loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
-        frames += n
+        frames += int(n)
         lv = loss.item() * world if world > 1 else loss.item()  # this rank's share, rescaled for display
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss is {lv} at step {step}; lower --lr or check the data")
