@@ -1567,10 +1567,10 @@ def train_windows(host, n=4, B=2, T=3):
     return out
 
 
-def run_train_steps(graphed, device, capture=None, lrs=(3e-3, 2e-3, 1e-3, 5e-4)):
+def run_train_steps(graphed, device, capture=None, lrs=(3e-3, 2e-3, 1e-3, 5e-4), kind="dit"):
     """train.py's step over train_windows, eager (train_step, fixed shapes) or as a GraphedTrainStep.
-    Returns (host, optimizer, per-step (loss, n, state))."""
-    host = perturb(tiny_host("dit")).to(device)
+    Returns (host, optimizer, GraphedTrainStep or None, per-step (loss, n, state))."""
+    host = perturb(tiny_host(kind)).to(device)
     params = host.trainable_parameters()
     cuda = torch.device(device).type == "cuda"
     lr = (lambda: torch.tensor(1.0, device=device)) if graphed and cuda else (lambda: 1.0)  # see train.set_lr
@@ -1591,7 +1591,8 @@ def run_train_steps(graphed, device, capture=None, lrs=(3e-3, 2e-3, 1e-3, 5e-4))
     return host, opt, step, out
 
 
-def test_graphed_train_step_replays_like_the_eager_step():
+@pytest.mark.parametrize("kind", ["dit", "vla"])
+def test_graphed_train_step_replays_like_the_eager_step(kind):
     """GraphedTrainStep's plumbing on the CPU, with a stand-in for the CUDA graph capture: a 'replay' reruns the step
     and writes into the static outputs returned at capture. Against eager train_step over four windows (carried
     state, resets, padded frames, a changing lr): the same losses, states and weights, so the warm-up steps that a
@@ -1612,8 +1613,8 @@ def test_graphed_train_step_replays_like_the_eager_step():
 
         return Graph(), out
 
-    h0, opt0, _, eager = run_train_steps(False, "cpu")
-    h1, opt1, _, graphed = run_train_steps(True, "cpu", stand_in_capture)
+    h0, opt0, _, eager = run_train_steps(False, "cpu", kind=kind)
+    h1, opt1, _, graphed = run_train_steps(True, "cpu", stand_in_capture, kind=kind)
     for (l0, n0, s0), (l1, n1, s1) in zip(eager, graphed):  # the same operations in the same order: bitwise
         assert torch.equal(l1, l0) and torch.equal(n1, n0) and torch.equal(s1, s0) and s0.abs().sum() > 0
     assert [n.item() for _, n, _ in eager] == [6, 6, 4, 6]
@@ -1623,12 +1624,13 @@ def test_graphed_train_step_replays_like_the_eager_step():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
-def test_graphed_train_step_on_cuda(tmp_path):
+@pytest.mark.parametrize("kind", ["dit", "vla"])
+def test_graphed_train_step_on_cuda(tmp_path, kind):
     """The captured training step against the eager one on a GPU (bf16 autocast, capturable AdamW): same losses,
     states and weights over four windows; a replay reads the lr set after capture (lr 0 leaves the weights);
     train.py --cuda-graphs resumes exactly."""
-    h0, _, _, eager = run_train_steps(False, "cuda")
-    h1, opt1, step, graphed = run_train_steps(True, "cuda")
+    h0, _, _, eager = run_train_steps(False, "cuda", kind=kind)
+    h1, opt1, step, graphed = run_train_steps(True, "cuda", kind=kind)
     for (l0, n0, s0), (l1, n1, s1) in zip(eager, graphed):
         torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-5)
         assert n1.item() == n0.item()
@@ -1640,9 +1642,10 @@ def test_graphed_train_step_on_cuda(tmp_path):
     step(train_windows(h1)[1])  # any window: with lr 0 AdamW moves nothing (decay is lr-scaled too)
     assert all(torch.equal(a, p) for a, p in zip(before, h1.trainable_parameters()))
 
-    a = tiny_train(tmp_path, "a", "--steps", "6", "--device", "cuda", "--cuda-graphs")
-    tiny_train(tmp_path, "b", "--steps", "6", "--device", "cuda", "--cuda-graphs", "--stop-at", "3")
-    b = tiny_train(tmp_path, "b", "--steps", "6", "--device", "cuda", "--cuda-graphs", "--resume")
+    args = ["--host", kind, "--steps", "6", "--device", "cuda", "--cuda-graphs"]
+    a = tiny_train(tmp_path, "a", *args)
+    tiny_train(tmp_path, "b", *args, "--stop-at", "3")
+    b = tiny_train(tmp_path, "b", *args, "--resume")
     wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
     for k in wa["model"]:
         torch.testing.assert_close(wb["model"][k], wa["model"][k], rtol=1e-4, atol=1e-6)
@@ -1706,7 +1709,19 @@ def test_checkpoint_policy_deployment_semantics(trained):
 def test_cuda_graph_policy_acts_like_the_eager_policy(trained):
     """The captured control step (eval.GraphedControlStep) against the eager one on the same frames and seed: same
     actions and states over 9 steps of 2 rows, with a chunk every 2 frames and a memory reset of one row."""
-    _, ck = trained
+    graphed_vs_eager_policy(trained[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
+def test_cuda_graph_vla_policy_acts_like_the_eager_policy(tmp_path, monkeypatch):
+    """The same check for the separate-source (VLA) host, whose capture is off (VLAHost.cuda_graphs False) until
+    this test has passed on a GPU: it forces the capture on."""
+    ck = tiny_train(tmp_path, "vla", "--host", "vla", "--steps", "5", "--device", "cpu")
+    monkeypatch.setattr(hosts.VLAHost, "cuda_graphs", True)
+    graphed_vs_eager_policy(ck)
+
+
+def graphed_vs_eager_policy(ck):
     envs = [ev.MemorySuiteEnv(i, seed=5) for i in (0, 3)]
     obs = [e.reset(0) for e in envs]
     frames = []
