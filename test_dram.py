@@ -1517,6 +1517,15 @@ def test_resume_is_exact(tmp_path):
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k
     assert torch.equal(wa["mem_state"][0], wb["mem_state"][0]) and wa["sampler"] == wb["sampler"]
+    # a checkpoint of a --cuda-graphs run (capturable AdamW, lr tensors) resumes eagerly, here on the CPU
+    tiny_train(tmp_path, "c", "--steps", "10", "--save-every", "100", "--stop-at", "6")
+    ck = torch.load(tmp_path / "c" / "ckpt.pt", weights_only=False)
+    for g in ck["optimizer"]["param_groups"]:
+        g["capturable"], g["lr"] = True, torch.tensor(g["lr"])
+    torch.save(ck, tmp_path / "c" / "ckpt.pt")
+    wc = torch.load(tiny_train(tmp_path, "c", "--steps", "10", "--save-every", "100", "--resume"), weights_only=False)
+    assert all(torch.equal(wa["model"][k], wc["model"][k]) for k in wa["model"])
+    assert not any(g["capturable"] for g in wc["optimizer"]["param_groups"])
     with pytest.raises(ValueError, match="memory='dram'"):
         tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--memory", "none")
     ck = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)  # as written before --mem-lr-mult existed
