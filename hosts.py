@@ -317,13 +317,10 @@ class Host(nn.Module):
         ctx, new_state = self.context(feats, instr, state, frame_valid, fixed_shapes)  # ctx values [B, T, ...]
         B, T = frame_valid.shape
         sel = frame_valid.reshape(-1)  # [B T]
-        if fixed_shapes:
-            pick = lambda x: x.reshape(B * T, *x.shape[2:])  # [B, T, ...] -> [B T, ...]
-            instr_v = instr[:, None].expand(B, T).reshape(-1)  # [B T]
-        else:  # only valid frames reach the head
-            pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
-            instr_v = instr[:, None].expand(B, T).reshape(-1)[sel]  # [F]
+        flat = lambda x: x.reshape(B * T, *x.shape[2:])  # [B, T, ...] -> [B T, ...]
+        pick = flat if fixed_shapes else lambda x: flat(x)[sel]  # default: only valid frames reach the head [F, ...]
         ctx_v = {k: pick(v) for k, v in ctx.items()}
+        instr_v = pick(instr[:, None].expand(B, T))  # [F | B T]
         per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F | B T]
         if fixed_shapes:
             per_frame = per_frame * sel.to(per_frame.dtype)
@@ -566,8 +563,7 @@ class VLAHost(Host):
                 xk = xv = src[:, :, 2]  # backbone layer-l hidden tokens
             else:
                 xk = xv = src  # final-layer hidden tokens, shared by every memory layer
-            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid, fixed_shapes)
-            # q: fused slots [B, T, M, D]
+            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid, fixed_shapes)  # [B, T, M, D]
             outs.append(q)
             new.append(s)
         prefix = torch.stack(outs[-1:] if self.cfg.write_source == "last_hidden" else outs, 2)  # [B, T, L_mem, M, D]
