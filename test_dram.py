@@ -470,6 +470,37 @@ def test_host_loss_with_fixed_shapes_equals_the_indexed_loss(kind, ws, monkeypat
             torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+def test_captured_steps_never_read_tensor_values_on_the_host(kind, ws, monkeypatch):
+    """A CUDA graph cannot hold a host round trip: .item(), the truth value of a tensor, a shape that depends on
+    values (boolean indexing). Under FakeTensorMode tensors carry shapes but no values, so any such read raises
+    DataDependentOutputException. Checked on the CPU for what eval.py and train.py --cuda-graphs capture: the
+    control step (encode, step, sample) and the training loss forward + backward + clip with fixed shapes (tau from
+    the device sampler, as on a GPU). The default loss indexes the valid frames out, which does read values."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    host = perturb(tiny_host(kind, ws))
+    feats, instr, b = random_window(host, B=2, T=4)
+    b["frame_valid"][1, 2:] = False
+    S0 = host.init_state(2)
+    cams = {c: torch.randint(0, 256, (2, 40, 40, 3), dtype=torch.uint8) for c in host.cfg.cameras}
+    noise = torch.randn(2, host.cfg.chunk, host.cfg.action_dim)
+    sample_tau = hosts.sample_tau
+    monkeypatch.setattr(hosts, "sample_tau", lambda n, device: sample_tau(n, device, inverse_cdf=True))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor
+        with torch.no_grad():
+            ctx, S = host.step(host.encode({c: fake(v) for c, v in cams.items()}, fake(instr)), fake(instr), fake(S0))
+            a = host.sample(ctx, fake(b["state_vec"][:, 0]), fake(instr), fake(noise))
+        assert a.shape == noise.shape and S.shape == S0.shape
+        args = [fake(x) for x in (feats, instr, S0)] + [fake(v) for v in b.values()]
+        loss, n, S = host.loss(*args, fixed_shapes=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(host.trainable_parameters(), 1.0)
+        with pytest.raises(DataDependentOutputException):
+            host.loss(*args)
+
+
 def test_sample_tau_both_samplers_follow_beta():
     """Both tau samplers (inverse CDF on the device, torch.distributions on the CPU) draw b ~ Beta(1.5, 1), whose CDF
     is b^1.5: Kolmogorov-Smirnov distance against the closed form (5 % critical value 1.36 / sqrt(n) = 0.0096)."""
