@@ -1663,20 +1663,32 @@ def test_graphed_train_step_replays_like_the_eager_step(kind):
     assert all(st["step"].item() == 4 for st in opt1.state.values())  # four steps, not four + warm-up + capture
 
 
+def assert_trained_alike(w1, w0, w_init):
+    """Two GPU training runs that should be the same up to the GPU's nondeterminism (bf16; attention backward
+    kernels accumulate with atomics): Adam turns a flipped sign of a near-zero gradient into a whole step, so the
+    weights are compared robustly: 99 % of them agree to 5 % of the median update, while a plumbing error (an extra
+    or a missing step, a stale lr or state) moves most of them by a whole update."""
+    d = torch.cat([(a - b).abs().flatten() for a, b in zip(w1, w0)])
+    u = torch.cat([(b - c).abs().flatten() for b, c in zip(w0, w_init)])
+    assert u.median() > 0
+    d99 = d.kthvalue(int(0.99 * d.numel())).values
+    assert d99 <= 0.05 * u.median(), (d99.item(), u.median().item())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
 @pytest.mark.parametrize("kind", ["dit", "vla"])
 def test_graphed_train_step_on_cuda(tmp_path, kind):
-    """The captured training step against the eager one on a GPU (bf16 autocast, capturable AdamW): same losses,
-    states and weights over four windows; a replay reads the lr set after capture (lr 0 leaves the weights);
-    train.py --cuda-graphs resumes exactly."""
+    """The captured training step against the eager one on a GPU (bf16 autocast, capturable AdamW): the same
+    losses, states and weights over four windows (up to the GPU's nondeterminism); a replay reads the lr set after
+    capture (lr 0 leaves the weights); train.py --cuda-graphs resumes as it runs."""
+    w_init = [p.detach().cuda() for p in perturb(tiny_host(kind)).trainable_parameters()]
     h0, _, _, eager = run_train_steps(False, "cuda", kind=kind)
     h1, opt1, step, graphed = run_train_steps(True, "cuda", kind=kind)
-    for (l0, n0, s0), (l1, n1, s1) in zip(eager, graphed):
-        torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-5)
+    for i, ((l0, n0, s0), (l1, n1, s1)) in enumerate(zip(eager, graphed)):
+        torch.testing.assert_close(l1, l0, rtol=1e-3 if i == 0 else 2e-2, atol=0)  # step 0: before any update
         assert n1.item() == n0.item()
-        torch.testing.assert_close(s1, s0, rtol=1e-3, atol=1e-4)
-    for p0, p1 in zip(h0.trainable_parameters(), h1.trainable_parameters()):
-        torch.testing.assert_close(p1, p0, rtol=1e-3, atol=1e-4)
+        assert (s1 - s0).abs().max() <= 2e-2 * s0.abs().max()
+    assert_trained_alike(h1.trainable_parameters(), h0.trainable_parameters(), w_init)
     before = [p.detach().clone() for p in h1.trainable_parameters()]
     train.set_lr(opt1, 0.0)
     step(train_windows(h1)[1])  # any window: with lr 0 AdamW moves nothing (decay is lr-scaled too)
@@ -1687,8 +1699,10 @@ def test_graphed_train_step_on_cuda(tmp_path, kind):
     tiny_train(tmp_path, "b", *args, "--stop-at", "3")
     b = tiny_train(tmp_path, "b", *args, "--resume")
     wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
-    for k in wa["model"]:
-        torch.testing.assert_close(wb["model"][k], wa["model"][k], rtol=1e-4, atol=1e-6)
+    torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
+    init = make_host(kind, HostConfig(**wa["config"])).state_dict()
+    keys = list(wa["model"])
+    assert_trained_alike([wb["model"][k] for k in keys], [wa["model"][k] for k in keys], [init[k] for k in keys])
 
 
 def test_ddp_two_processes_gloo(tmp_path):
