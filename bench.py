@@ -657,7 +657,7 @@ def make_train_step(host, opt, B, T, device, g, images=None, graphs=False):
 
 
 def adamw(host, capturable=False):
-    """train.py's optimizer; capturable: AdamW's step count and lr on the device, as --cuda-graphs sets them."""
+    """AdamW with train.py's betas; capturable: its step count and lr on the device, as --cuda-graphs sets them."""
     lr = torch.tensor(1e-4, device=host.tower.mean.device) if capturable else 1e-4
     return torch.optim.AdamW(host.trainable_parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
                              capturable=capturable)

@@ -1594,8 +1594,9 @@ def test_cuda_graphs_on_the_cpu_is_a_clear_error(tmp_path):
 
 
 def train_windows(host, n=4, B=2, T=3):
-    """n consecutive training batches as FrameData.batch makes them: streams carry their state (reset False) or
-    start an episode (reset True), one episode ends inside a window (padded frames, action mask False)."""
+    """n consecutive training batches as FrameData.batch makes them: stream 0 carries its state throughout, stream 1
+    starts episodes (reset True) in windows 0 and 3, and its episode ends inside window 2 (padded frames, action
+    mask False)."""
     out = []
     for i in range(n):
         feats, instr, b = random_window(host, B, T, seed=i)
@@ -1603,7 +1604,7 @@ def train_windows(host, n=4, B=2, T=3):
         b["action_mask"] &= b["frame_valid"][..., None]
         out.append(dict(tokens=feats, instr=instr, state=b["state_vec"], actions=b["actions"],
                         action_mask=b["action_mask"], frame_valid=b["frame_valid"],
-                        reset=torch.tensor([i == 0, i in (0, 3)])))
+                        reset=torch.tensor([False, i in (0, 3)])))
     return out
 
 
@@ -1617,7 +1618,9 @@ def run_train_steps(graphed, device, capture=None, lrs=(3e-3, 2e-3, 1e-3, 5e-4),
     opt = torch.optim.AdamW([dict(params=params, lr=lr(), lr_mult=1.0)], betas=(0.9, 0.95), weight_decay=0.1,
                             capturable=cuda)
     batches = [{k: v.to(device) for k, v in b.items()} for b in train_windows(host)]
-    state, step, out = host.init_state(2, device), None, []
+    g = torch.Generator().manual_seed(3)
+    state = (0.3 * torch.randn(host.init_state(2).shape, generator=g)).to(device)  # carried over, as on resuming
+    step, out = None, []
     torch.manual_seed(7)
     for b, v in zip(batches, lrs):
         train.set_lr(opt, v)

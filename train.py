@@ -173,9 +173,8 @@ def train_step(host, opt, params, batch, state, clip, fixed_shapes=False, world=
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda, cache_enabled=False):
         loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
                                        batch["action_mask"], batch["frame_valid"], fixed_shapes)
-    n_all = n.float()
+    n_all = n.float()  # a new tensor: n itself stays this rank's count
     if world > 1:
-        n_all = n_all.clone()
         dist.all_reduce(n_all)  # valid-frame losses are averaged over all ranks' frames
     loss = loss_sum / n_all.clamp(min=1)
     opt.zero_grad(set_to_none=True)
@@ -206,7 +205,6 @@ class GraphedTrainStep:
         self.state = state.detach().clone()  # [B, ...] carried memory state, overwritten by every replay
         weights = [p.detach().clone() for p in params]
         opt_state = {p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for p, st in opt.state.items()}
-        state0 = self.state.clone()
         dev = self.state.device
         rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
 
@@ -226,7 +224,7 @@ class GraphedTrainStep:
                 for k, v in st.items():
                     if torch.is_tensor(v):
                         v.copy_(opt_state[p][k]) if p in opt_state else v.zero_()
-            self.state.copy_(state0)
+            self.state.copy_(state)
 
     def __call__(self, batch):
         """One training step on `batch` (same shapes as the first). Returns (loss [], n [], state), device tensors
