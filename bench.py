@@ -20,8 +20,10 @@ dk = dv in {64, 128}, batch x heads P from 8 to 256):
      fly; activation memory vs the window T in {4, 8, 16, 32}.
 On CUDA, part 1 also replays the joint write's forward+backward as a CUDA graph and part 3 every policy step (the
 launch overhead removed; eval.py deploys policies so on a GPU).
-Parts 3-4 run the DiT host at both real sizes: LIBERO (vit_small_patch16_224.dino at 128 px, 129 tokens x 384) and
-the embedded default (vit_tiny_patch16_224 at 64 px, 33 tokens x 192).
+Parts 3-4 run the DiT host at three sizes (--sizes): LIBERO (vit_small_patch16_224.dino at 128 px, 129 tokens x 384),
+the embedded default (vit_tiny_patch16_224 at 64 px, 33 tokens x 192), both with train.py's small head (width 128,
+4 blocks), and gr00t: a head of GR00T N1.5's size (16 blocks, width 1536, 4 Euler steps) on 393 tokens x 2048
+(GPU by default; on the CPU with --sizes gr00t, minutes).
 """
 import argparse
 import json
@@ -440,17 +442,35 @@ def part2(args, device, rep):
 HOST_SIZES = {
     "libero": dict(vision="vit_small_patch16_224.dino", image_size=128),
     "embedded": dict(vision="vit_tiny_patch16_224", image_size=64),
+    # the DiT action head at the size of GR00T N1.5's (Isaac-GR00T FlowmatchingActionHead: 16 blocks alternating
+    # cross / self attention, 32 heads x 48 = width 1536, cross-attention to tokens of width 2048, action horizon
+    # 16, 4 Euler steps), memory with dk = dv = 64. The tokens stand in for GR00T's vision-language features:
+    # 2 cameras x 196 tokens x 2048 (a frozen ResNet-50 at 448 px has that output; N = 392 as in the issue's grid)
+    "gr00t": dict(vision="resnet50", image_size=448, d_model=1536, head_blocks=16, head_heads=32, chunk=16,
+                  flow_steps=4, mem_dk=64, mem_dv=64),
 }
+
+
+STAND_IN_ENCODER = {"gr00t"}  # its tower only gives the tokens' shape: no targets that include the encoder's time
+
+
+def host_sizes(args, device):
+    """--sizes, or by default all sizes on a GPU and the two small ones on the CPU (at the gr00t size one CPU
+    training step of 8 x 16 frames takes minutes)."""
+    if args.sizes:
+        return args.sizes.split(",")
+    return list(HOST_SIZES) if device.type == "cuda" else ["libero", "embedded"]
 
 
 def make_dit(size, memory, device):
     """The DiT host exactly as train.py builds it (its defaults: mem depth 2, 4 heads, dk = dv = 32, head width 128,
-    4 blocks, chunk 4), random tower weights (timing does not depend on them). A trained-looking memory: f_O is
-    zero at initialisation (exact identity), here small random so that reads reach the head and gradients flow."""
+    4 blocks, chunk 4; the gr00t size overrides the head's and memory's sizes), random tower weights (timing does not
+    depend on them). A trained-looking memory: f_O is zero at initialisation (exact identity), here small random so
+    that reads reach the head and gradients flow."""
     from train import DEFAULTS  # the training defaults are the configuration being measured
 
-    cfg = HostConfig(memory=memory, chunk=DEFAULTS["chunk"], vocab=("bench instruction",), pretrained=False,
-                     **HOST_SIZES[size])
+    cfg = HostConfig(**(dict(memory=memory, chunk=DEFAULTS["chunk"], vocab=("bench instruction",), pretrained=False)
+                        | HOST_SIZES[size]))
     host = make_host("dit", cfg).to(device)
     if host.memory is not None:
         with torch.no_grad():
@@ -519,7 +539,8 @@ def part3(args, device, rep):
     ks = (1, 4, 8, 16)
     g = torch.Generator(device="cpu").manual_seed(0)
     rows, raw = [], {}
-    for size in HOST_SIZES:
+    sizes = host_sizes(args, device)
+    for size in sizes:
         torch.manual_seed(0)
         host = make_dit(size, "dram", device).eval()
         base = make_dit(size, "none", device).eval()
@@ -600,21 +621,24 @@ def part3(args, device, rep):
         + (["CUDA graph step ms", "x (graphs)"] if graphed else []) + ["persistent memory / stream"],
         rows,
         note=f"B = 1. One control step = host.step (DRAM: one read-write transition of the 2-layer stack) or the ring "
-        f"buffer write + token assembly (k-frame), then host.sample (one action chunk, {HostConfig.flow_steps} Euler "
-        f"steps of the same hosts.DiTHead). The frozen encoder (2 cameras, uint8 -> tokens) is identical for both and "
-        f"timed separately: libero {ms(raw['libero']['encode_s'])} ms, embedded {ms(raw['embedded']['encode_s'])} ms; "
-        f"'incl. encoder' adds it. DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens."
+        f"buffer write + token assembly (k-frame), then host.sample (one action chunk: {HostConfig.flow_steps} Euler "
+        f"steps of the same hosts.DiTHead; 4 at the gr00t size, as GR00T). The frozen encoder (2 cameras, uint8 -> "
+        f"tokens) is identical for both and timed separately: "
+        + ", ".join(f"{s} {ms(raw[s]['encode_s'])} ms" for s in sizes) + "; "
+        f"'incl. encoder' adds it (at the gr00t size a ResNet-50 stands in for GR00T's vision-language model: "
+        f"shape only, no target). DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens."
         + (" CUDA graph: the same policy step captured as one graph and timed by replays (eval.py deploys it so on "
-           "a GPU); encoder as a graph: " + ", ".join(f"{s} {ms(raw[s]['graph_encode_s'])} ms" for s in HOST_SIZES)
+           "a GPU); encoder as a graph: " + ", ".join(f"{s} {ms(raw[s]['graph_encode_s'])} ms" for s in sizes)
            + "." if graphed else ""),
     )
-    for size in HOST_SIZES:
+    for size in sizes:
         r = raw[size]["rows"]
         rep.target(f"{size}: step latency t=1000 vs t=10 (policy step)", r["dram t=1000"]["x_vs_dram_t10"], 0.05,
                    kind="within")
         rep.target(f"{size}: k=8 context vs DRAM per step (policy step, excl. encoder)", r["k=8"]["x_vs_dram_t10"], 3.0)
-        rep.target(f"{size}: k=8 context vs DRAM per step (incl. frozen encoder)",
-                   r["k=8"]["x_vs_dram_t10_incl_encoder"], 3.0)
+        if size not in STAND_IN_ENCODER:
+            rep.target(f"{size}: k=8 context vs DRAM per step (incl. frozen encoder)",
+                       r["k=8"]["x_vs_dram_t10_incl_encoder"], 3.0)
         if graphed:
             rep.target(f"{size}: k=8 context vs DRAM per step, both CUDA graphs (policy step)",
                        r["k=8"]["graph_x_vs_dram_t10"], 3.0)
@@ -681,15 +705,19 @@ def saved_tensor_bytes(fn, params):
 
 
 def part4(args, device, rep):
-    B, T = 8, 16
-    Bm = 2 if args.quick and device.type == "cpu" else B  # batch of the activation-memory table
+    Bm = 2 if args.quick and device.type == "cpu" else 8  # batch of the activation-memory table
     Ts = (4, 8, 16, 32)
     g = torch.Generator(device="cpu").manual_seed(0)
     rows, mrows, raw = [], [], {}
-    for size in HOST_SIZES:
+    sizes = host_sizes(args, device)
+    for size in sizes:
+        # B = 8 streams x T = 16 frames; the gr00t size on the CPU takes a window of 1 x 4 (seconds per step; the
+        # ratios are per frame, and both the memory's and the head's cost are linear in the frames there)
+        B, T = (1, 4) if size == "gr00t" and device.type == "cpu" else (8, 16)
         torch.manual_seed(0)
         dram_host, none_host = make_dit(size, "dram", device).train(), make_dit(size, "none", device).train()
-        steps = {"dram": make_train_step(dram_host, adamw(dram_host), B, T, device, g),
+        opt = adamw(dram_host)  # one optimizer per host and step kind (AdamW's state is twice the weights)
+        steps = {"dram": make_train_step(dram_host, opt, B, T, device, g),
                  "none": make_train_step(none_host, adamw(none_host), B, T, device, g)}
         if device.type == "cuda":  # the same steps as CUDA graph replays (train.py --cuda-graphs)
             steps |= {f"{k} graph": make_train_step(h, adamw(h, capturable=True), B, T, device, g, graphs=True)
@@ -699,10 +727,14 @@ def part4(args, device, rep):
 
         # on the fly: host.encode inside the step. A CPU --quick run times the tower on a slice of the window's
         # frames and scales it linearly (the tower is batch-linear), since the full LIBERO window takes ~10 s
-        n_enc = B * T if not (args.quick and device.type == "cpu") else 2 * (2 if size == "libero" else 8)
+        n_enc = B * T if not (args.quick and device.type == "cpu") else min(B * T, 2 * (2 if size == "libero" else 8))
         imgs = random_images(dram_host, n_enc, device, g)
-        if n_enc == B * T:
-            otf = make_train_step(dram_host, adamw(dram_host), B, T, device, g, images=imgs)
+        otf = enc = None
+        if size in STAND_IN_ENCODER:
+            cache_x = t_otf = None
+            how = "not measured: stand-in encoder"
+        elif n_enc == B * T:
+            otf = make_train_step(dram_host, opt, B, T, device, g, images=imgs)
             m2, p2 = compare({"cache": steps["dram"], "otf": otf}, device, args.min_run_time, rounds=3, warmup=1)
             cache_x, t_otf = ratio(p2, "otf", "cache"), m2["otf"]
             how = "encode inside the step"
@@ -719,17 +751,18 @@ def part4(args, device, rep):
         fps = {k: B * T / v for k, v in med.items()}
         raw[size] = {"B": B, "T": T, "median_s": med, "frames_per_s": fps, "dram_over_none": overhead,
                      "onthefly_s": t_otf, "onthefly_over_cache": cache_x, "onthefly_how": how}
-        rows.append([size, f"{fps['dram']:.0f}", f"{fps['none']:.0f}", f"{overhead:.2f}",
-                     f"{B * T / t_otf:.1f}", f"{cache_x:.1f}", how])
+        rows.append([size, f"{B} x {T}", f"{fps['dram']:.1f}", f"{fps['none']:.1f}", f"{overhead:.2f}",
+                     "-" if t_otf is None else f"{B * T / t_otf:.1f}", "-" if cache_x is None else f"{cache_x:.1f}", how])
         if device.type == "cuda":
             raw[size]["graph_dram_over_none"] = ratio(per, "dram graph", "none graph")
             raw[size]["graph_speedup"] = {k: ratio(per, k, f"{k} graph") for k in ("dram", "none")}
             rows[-1] += [f"{fps['dram graph']:.0f}", f"{fps['none graph']:.0f}",
                          f"{raw[size]['graph_dram_over_none']:.2f}"]
 
-        # activation memory against the window length T (linear in B: a --quick CPU run uses B = 2)
+        # activation memory against the window length T (linear in B: a --quick CPU run uses B = 2); not at the gr00t
+        # size on the CPU (B = 8, T = 32 would take minutes per step)
         mem = []
-        for Tw in Ts:
+        for Tw in Ts if not (size == "gr00t" and device.type == "cpu") else ():
             entry = {"T": Tw}
             for name, h in (("dram", dram_host), ("none", none_host)):
                 fn = make_train_step(h, adamw(h), Bm, Tw, device, g)
@@ -752,38 +785,42 @@ def part4(args, device, rep):
                 r += [mib(entry["dram_cuda_peak_bytes"]), mib(entry["none_cuda_peak_bytes"])]
             mrows.append(r)
         raw[size]["memory_vs_T"] = mem
-        del dram_host, none_host, steps
+        del dram_host, none_host, steps, opt, otf, enc  # before the next size's hosts are built
     rep.data["part4_training"] = raw
     rep.section(
-        f"Part 4a: training step frames/s (B = {B}, T = {T}; host.loss + backward + clip + AdamW)",
-        ["host size", "DRAM frames/s (cache)", "none frames/s (cache)", "DRAM time / none time",
+        "Part 4a: training step frames/s (host.loss + backward + clip + AdamW over B streams x T frames)",
+        ["host size", "B x T", "DRAM frames/s (cache)", "none frames/s (cache)", "DRAM time / none time",
          "DRAM frames/s on the fly", "cache x vs on the fly", "on-the-fly timing"]
         + (["DRAM frames/s (CUDA graph)", "none frames/s (CUDA graph)", "DRAM / none (CUDA graphs)"]
            if device.type == "cuda" else []),
         rows,
         note="Both read cached features (random tensors of the tower's output shape); 'on the fly' encodes uint8 "
-        "images of the suite's resolution (2 cameras) with the frozen tower inside the step."
+        "images of the suite's resolution (2 cameras) with the frozen tower inside the step (not at the gr00t size, "
+        "whose ResNet-50 tower only stands in for the shape of GR00T's vision-language features)."
         + (" bf16 autocast as in train.py. CUDA graph: the step captured as one graph (train.py --cuda-graphs: "
            "train.GraphedTrainStep, capturable AdamW) and timed by replays." if device.type == "cuda" else ""),
     )
     head = ["host size", "T", "DRAM saved MiB", "none saved MiB", "DRAM saved MiB / frame"]
     if device.type == "cuda":
         head += ["DRAM CUDA peak MiB", "none CUDA peak MiB"]
-    rep.section(
-        f"Part 4b: activation memory of a training step vs TBPTT window T (B = {Bm})",
-        head,
-        mrows,
-        note="saved = bytes of the distinct tensors autograd saves for backward (torch.autograd.graph."
-        "saved_tensors_hooks; parameters excluded, the input window included); tracemalloc does not see torch's "
-        "allocator." + (" CUDA peak = torch.cuda.max_memory_allocated during a step minus what was resident before "
-                        "it (weights, AdamW state, inputs)." if device.type == "cuda" else ""),
-    )
-    for size in HOST_SIZES:
+    if mrows:
+        rep.section(
+            f"Part 4b: activation memory of a training step vs TBPTT window T (B = {Bm})",
+            head,
+            mrows,
+            note="saved = bytes of the distinct tensors autograd saves for backward (torch.autograd.graph."
+            "saved_tensors_hooks; parameters excluded, the input window included); tracemalloc does not see torch's "
+            "allocator." + (" CUDA peak = torch.cuda.max_memory_allocated during a step minus what was resident "
+                            "before it (weights, AdamW state, inputs)." if device.type == "cuda" else "")
+            + (" Not at the gr00t size on the CPU." if "gr00t" in sizes and device.type == "cpu" else ""),
+        )
+    for size in sizes:
         rep.target(f"{size}: DRAM training time per frame vs memory=none", raw[size]["dram_over_none"], 1.3, kind="<=")
         if device.type == "cuda":
             rep.target(f"{size}: DRAM training time per frame vs memory=none, both CUDA graphs",
                        raw[size]["graph_dram_over_none"], 1.3, kind="<=")
-        rep.target(f"{size}: feature cache vs on-the-fly encoding, frames/s", raw[size]["onthefly_over_cache"], 10.0)
+        if size not in STAND_IN_ENCODER:
+            rep.target(f"{size}: feature cache vs on-the-fly encoding, frames/s", raw[size]["onthefly_over_cache"], 10.0)
 
 
 PARTS = {1: part1, 2: part2, 3: part3, 4: part4}
@@ -798,6 +835,8 @@ def main():
     p.add_argument("--min-run-time", type=float, default=None, help="seconds of timing per comparison")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per comparison")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    p.add_argument("--sizes", default=None, help="host sizes of parts 3-4, comma-separated, from "
+                   f"{','.join(HOST_SIZES)} (default: all on CUDA, libero,embedded on the CPU)")
     args = p.parse_args()
     try:
         parts = sorted({int(s) for s in args.parts.split(",") if s.strip()})
@@ -806,8 +845,12 @@ def main():
     for k in parts:
         if k not in PARTS:
             p.error(f"--parts: no part {k}; parts are {sorted(PARTS)}")
+    for s in (args.sizes or "").split(","):
+        if s and s not in HOST_SIZES:
+            p.error(f"--sizes: no host size {s!r}; sizes are {list(HOST_SIZES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
+    given = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("min_run_time", "rounds") if getattr(args, k)]
     if args.min_run_time is None:
         args.min_run_time = 0.3 if args.quick else 1.0
     if args.rounds is None:
@@ -824,7 +867,8 @@ def main():
     rep.info["wall_s"] = round(time.perf_counter() - t0, 1)
     rep.info["command"] = "python bench.py " + " ".join(
         a for a in ["--quick" if args.quick else "", f"--device {args.device}", f"--parts {args.parts}",
-                    f"--threads {args.threads}" if args.threads else ""] if a
+                    f"--threads {args.threads}" if args.threads else "", f"--sizes {args.sizes}" if args.sizes else ""]
+        + given if a
     )
     print(f"\ndone in {rep.info['wall_s']} s")
     if args.out:
