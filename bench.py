@@ -458,7 +458,7 @@ def host_sizes(args, device):
     """--sizes, or by default all sizes on a GPU and the two small ones on the CPU (at the gr00t size one CPU
     training step of 8 x 16 frames takes minutes)."""
     if args.sizes:
-        return args.sizes.split(",")
+        return [s for s in args.sizes.split(",") if s]
     return list(HOST_SIZES) if device.type == "cuda" else ["libero", "embedded"]
 
 
