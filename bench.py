@@ -758,6 +758,11 @@ def part4(args, device, rep):
             raw[size]["graph_speedup"] = {k: ratio(per, k, f"{k} graph") for k in ("dram", "none")}
             rows[-1] += [f"{fps['dram graph']:.0f}", f"{fps['none graph']:.0f}",
                          f"{raw[size]['graph_dram_over_none']:.2f}"]
+        # the timed steps' optimizer states, gradients and CUDA graph pools are freed before the memory table (at
+        # the gr00t size they hold tens of GB)
+        steps = opt = otf = enc = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
         # activation memory against the window length T (linear in B: a --quick CPU run uses B = 2); not at the gr00t
         # size on the CPU (B = 8, T = 32 would take minutes per step)
@@ -785,7 +790,7 @@ def part4(args, device, rep):
                 r += [mib(entry["dram_cuda_peak_bytes"]), mib(entry["none_cuda_peak_bytes"])]
             mrows.append(r)
         raw[size]["memory_vs_T"] = mem
-        del dram_host, none_host, steps, opt, otf, enc  # before the next size's hosts are built
+        del dram_host, none_host  # before the next size's hosts are built
     rep.data["part4_training"] = raw
     rep.section(
         "Part 4a: training step frames/s (host.loss + backward + clip + AdamW over B streams x T frames)",
