@@ -82,7 +82,8 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU, one process: run each training step as one "
-                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked")
+                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked. Checked on the CPU with a "
+                   "stand-in capture, not yet on a GPU (README)")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
