@@ -82,8 +82,8 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU, one process: run each training step as one "
-                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked. Checked on the CPU with a "
-                   "stand-in capture, not yet on a GPU (README)")
+                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked. Checked on "
+                   "the CPU with a stand-in capture, not yet on a GPU (README)")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
@@ -215,16 +215,23 @@ class GraphedTrainStep:
             return loss, n
 
         def restore_rng():
-            torch.cuda.set_rng_state(rng, dev) if dev.type == "cuda" else torch.set_rng_state(rng)
+            if dev.type == "cuda":
+                torch.cuda.set_rng_state(rng, dev)
+            else:
+                torch.set_rng_state(rng)
 
         self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(step, after_warmup=restore_rng)
         with torch.no_grad():  # undo the warm-up steps (the capture itself runs nothing)
             for p, w in zip(params, weights):
                 p.copy_(w)
-            for p, st in opt.state.items():  # state created by the warm-up is zeroed: AdamW's initial state
+            for p, st in opt.state.items():
                 for k, v in st.items():
-                    if torch.is_tensor(v):
-                        v.copy_(opt_state[p][k]) if p in opt_state else v.zero_()
+                    if not torch.is_tensor(v):
+                        continue
+                    if p in opt_state:
+                        v.copy_(opt_state[p][k])
+                    else:  # state the warm-up created: zero is AdamW's initial state
+                        v.zero_()
             self.state.copy_(state)
 
     def __call__(self, batch):
