@@ -393,10 +393,10 @@ class GraphedControlStep:
             return ctx
 
         saved = state.clone()
-        self.transition, self.ctx = capture_cuda_graph(transition)
+        self.transition, self.ctx = capture_cuda_graph(transition, device=dev)
         self.state.copy_(saved)  # the warm-up runs advanced the memory
         self.chunk, self.actions = capture_cuda_graph(
-            lambda: host.sample(self.ctx, self.state_vec, self.ids, self.noise))  # actions [n, C, Da]
+            lambda: host.sample(self.ctx, self.state_vec, self.ids, self.noise), device=dev)  # actions [n, C, Da]
 
     def step(self, images, ids):
         for c, v in self.images.items():
@@ -625,7 +625,7 @@ def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "episodes.jsonl")
     logged = load_log(log_path)
-    check_resumable(logged, run, log_path)
+    check_resumable([r for r in logged if r["suite"] == suite], run, log_path)  # suites may differ in max_steps
     have = {(r["suite"], r["task_id"], r["trial"]) for r in logged}
     todo = [(t, k) for t, _, _ in tasks for k in range(trials) if (suite, t, k) not in have]
     if len(have) and todo:
@@ -650,7 +650,8 @@ def evaluate(suite, tasks, trials, policy, slots, out, run, reset_every=0, frame
                   f"after {rec['steps']} steps ({rec['wall_s']:.0f} s)")
 
     run_episodes(slots, policy, todo, reset_every=reset_every, frame_fn=frame_fn, on_done=on_done, video=video)
-    return summarize([r for r in logged if r["suite"] == suite], tasks)
+    # the episodes this command asks for: a log may also hold more trials from an earlier, longer run
+    return summarize([r for r in logged if r["suite"] == suite and r["trial"] < trials], tasks)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -571,23 +571,26 @@ class VLAHost(Host):
         return ctx, torch.stack(new, 1)
 
 
-def capture_cuda_graph(fn, warmup=3, after_warmup=None):
+def capture_cuda_graph(fn, warmup=3, after_warmup=None, device=None):
     """Record fn() as a CUDA graph. Returns (graph, out): graph.replay() reruns all of fn's kernels with one launch,
     on the same input buffers (the tensors fn reads) and into the same output buffers (out). fn must not
     synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
     initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn. after_warmup() runs
-    between them and the capture. Used by eval.py (control step), train.py (training step) and bench.py."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    if after_warmup is not None:
-        after_warmup()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    between them and the capture. device: the GPU that fn's tensors live on (None: the current one); streams are
+    per device, and kernels launched on another device's stream would not be captured. Used by eval.py (control
+    step), train.py (training step) and bench.py."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        if after_warmup is not None:
+            after_warmup()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
     return graph, out
 
 

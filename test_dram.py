@@ -1357,6 +1357,13 @@ def test_jsonl_resume_and_guards(tmp_path):
     assert len(made) == n_made
     table = ev.markdown_table({"toy": s2})
     assert "| toy | 0 | toy0 | 3 | 66.7 |" in table and "**66.7**" in table
+    # Fewer trials than logged: the summary holds the episodes asked for (trials 0-1), not the whole log.
+    s3 = ev.evaluate("toy", tasks, 2, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
+    assert s3["episodes"] == 4 and s3["tasks"] == s1["tasks"] and len(made) == n_made
+    # A second suite in the same log (eval.py --suite A B) has its own settings (max_steps): it runs.
+    s4 = ev.evaluate("toy2", tasks[:1], 1, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path),
+                     dict(run, max_steps=5), frame_fn=identity)
+    assert s4["episodes"] == 1 and len(made) == n_made + 1
     # Another experiment in the same folder is refused, naming the file and the setting.
     with pytest.raises(ValueError, match=r"episodes\.jsonl holds episodes with reset_every=0"):
         ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path),
@@ -1364,7 +1371,7 @@ def test_jsonl_resume_and_guards(tmp_path):
     # A cut last line (interrupted write) is a clear error, not a silent skip.
     with open(log, "a") as f:
         f.write('{"suite": "toy", "task_id": 0, "tri')
-    with pytest.raises(ValueError, match=r"episodes\.jsonl:7 is not valid JSON"):
+    with pytest.raises(ValueError, match=r"episodes\.jsonl:8 is not valid JSON"):
         ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
 
 
@@ -1642,7 +1649,7 @@ def test_graphed_train_step_replays_like_the_eager_step(kind):
     capture needs leave no trace (weights, AdamW state and RNG restored). (lr stays a float on the CPU, where
     AdamW cannot be capturable; the GPU test covers the lr tensor.)"""
 
-    def stand_in_capture(fn, warmup=3, after_warmup=None):
+    def stand_in_capture(fn, warmup=3, after_warmup=None, device=None):
         for _ in range(warmup):
             fn()
         after_warmup()

@@ -220,7 +220,8 @@ class GraphedTrainStep:
             else:
                 torch.set_rng_state(rng)
 
-        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(step, after_warmup=restore_rng)
+        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(step, after_warmup=restore_rng,
+                                                                         device=dev)
         with torch.no_grad():  # undo the warm-up steps (the capture itself runs nothing)
             for p, w in zip(params, weights):
                 p.copy_(w)
