@@ -1716,19 +1716,21 @@ def test_graphed_train_step_on_cuda(tmp_path, kind):
 
 
 def test_ddp_two_processes_gloo(tmp_path):
-    """torchrun with 2 CPU processes (gloo): each rank its own streams, gradients all-reduced, weights in sync."""
+    """torchrun with 2 CPU processes (gloo): each rank its own streams, gradients all-reduced, weights in sync.
+    12 steps: each rank moves on to further episodes of its share (a version that read the sampler's per-rank
+    episode numbers as indices into all episodes read the wrong frames and failed within 10 steps)."""
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
-            "--steps", "3", "--device", "cpu"] + TINY
+            "--steps", "12", "--device", "cpu"] + TINY
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "train.py"] + args, cwd=Path(__file__).parent, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)
-    assert ck["world"] == 2 and ck["step"] == 3 and len(ck["sampler"]) == 2
+    assert ck["world"] == 2 and ck["step"] == 12 and len(ck["sampler"]) == 2
     # the two ranks walked disjoint episode sets
     n = len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"])
-    assert n == 3 and ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]
+    assert n == 12 and ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]
 
 
 class CountingHost:

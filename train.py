@@ -348,8 +348,9 @@ def main(argv=None):
         dist.barrier()
     episodes = build_episodes(host, files, a, rank)
     fd = data.FrameData(episodes, stats=None if ck is None else ck["stats"], vocab=vocab)
-    mine = np.arange(len(fd))[rank::world]  # each rank its own episodes and streams
-    sampler = data.StreamSampler(fd.lengths[mine], a.batch, a.window, a.chunk, seed=a.seed)
+    if world > 1:  # each rank its own episodes and streams, normalised with the statistics of all of them
+        fd = data.FrameData(episodes[rank::world], stats=fd.stats, vocab=vocab)
+    sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
 
     params = host.trainable_parameters()
     decay = [p for p in params if p.dim() >= 2]
