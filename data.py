@@ -154,6 +154,9 @@ def _read_demo(f, path, name, images=True):
             if ds.ndim != 4 or ds.shape[-1] != 3 or ds.dtype != np.uint8:
                 raise DataError(f"{path}: data/{name}/obs/{c} must be uint8 [T,H,W,3], got {ds.dtype} {ds.shape}")
             lengths[f"obs/{c}"] = ds.shape[0]
+        sizes = {c: g[f"obs/{c}"].shape[1:3] for c in CAMERAS}
+        if len(set(sizes.values())) != 1:  # the tower encodes all cameras of a frame as one batch
+            raise DataError(f"{path}: data/{name}: the cameras' images differ in size {sizes}")
     act = arrays["actions"]
     if act.ndim != 2:
         raise DataError(f"{path}: data/{name}/actions must be [T, Da], got shape {act.shape}")
@@ -391,15 +394,19 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
                 out = lambda *shape: np.lib.format.open_memmap(tmp / "tokens.npy", "w+", np.float16, shape)
-                instr, metas, st, ac, tok = _encode_file(p, encode_fn, batch_size, bar, out)
-                tok.flush()
-                del tok
-                np.save(tmp / "state.npy", np.concatenate(st, 0))
-                np.save(tmp / "actions.npy", np.concatenate(ac, 0))
-                (tmp / "meta.json").write_text(json.dumps({"instruction": instr, "demos": metas, "source": ident,
-                                                           "cache_key": cache_key}))
+                try:
+                    instr, metas, st, ac, tok = _encode_file(p, encode_fn, batch_size, bar, out)
+                    tok.flush()
+                    del tok
+                    np.save(tmp / "state.npy", np.concatenate(st, 0))
+                    np.save(tmp / "actions.npy", np.concatenate(ac, 0))
+                    (tmp / "meta.json").write_text(json.dumps({"instruction": instr, "demos": metas,
+                                                               "source": ident, "cache_key": cache_key}))
+                except BaseException:  # bad data or Ctrl-C: no half-written entry left behind (GBs for LIBERO)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
                 for old in root.glob(f"{p.stem}-*"):  # stale entries of this same source file
-                    if old == tmp or ".tmp" in old.name:
+                    if old == entry or ".tmp" in old.name:  # (entry: another process just finished it)
                         continue
                     try:
                         if json.loads((old / "meta.json").read_text())["source"]["path"] == ident["path"]:

@@ -790,6 +790,9 @@ def _corrupt(tmp_path, fn):
     (lambda f: f["data/demo_0/obs/gripper_states"].__setitem__((1, 0), np.nan),
      r"data/demo_0/obs/gripper_states has NaN"),
     (lambda f: f["data"].attrs.__setitem__("problem_info", "{not json"), r"problem_info"),
+    (lambda f: (f["data/demo_1/obs"].__delitem__("eye_in_hand_rgb"),
+                f["data/demo_1/obs"].create_dataset("eye_in_hand_rgb", data=np.zeros((5, 4, 4, 3), np.uint8))),
+     r"data/demo_1: the cameras' images differ in size"),
 ])
 def test_bad_input_raises(tmp_path, fn, match):
     p = _corrupt(tmp_path, fn)
@@ -973,6 +976,13 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
     assert enc.calls > calls and [len(e.tokens) for e in eps2] == [4]
     np.testing.assert_array_equal(eps2[0].tokens[:, 0], new[0]["agentview_rgb"][:, -1, -1].astype(np.float16))
     assert len(list((cache / "fake_8px").iterdir())) == 1
+    # an encoding interrupted part-way (an error, Ctrl-C) leaves no half-written folder behind
+    def interrupted(images):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        data.build_feature_cache([p], interrupted, "third_key", cache, progress=False)
+    assert list((cache / "third_key").iterdir()) == []
 
 
 # ---------------------------------------------------------------- embedded memory suite
@@ -1524,6 +1534,29 @@ def fixed_window_loss(host, fd, seed=0, draws=8):
     return sum(l.item() / n for l, n, _ in out) / draws
 
 
+def test_feature_cache_key_separates_what_encode_depends_on():
+    """Two hosts share cached features exactly when their frozen encode() gives the same features: a key that
+    ignored a setting (the vla host's --vla-layers) would train on features of another shape or content."""
+    g = torch.Generator().manual_seed(0)
+    imgs = {c: torch.randint(0, 256, (2, 32, 32, 3), generator=g, dtype=torch.uint8) for c in ("agentview_rgb",
+                                                                                              "eye_in_hand_rgb")}
+
+    def variant(kind, **kw):  # tiny_host's configuration with some fields changed, the same tower weights
+        cfg = dataclasses.replace(tiny_host(kind).cfg, **kw)
+        torch.manual_seed(0)
+        return make_host(kind, cfg)
+
+    hosts = [tiny_host("dit"), variant("dit", mem_heads=4, d_model=64), variant("dit", memory="none"),
+             variant("dit", image_size=48), tiny_host("vla"), variant("vla", vla_layers=1),
+             variant("vla", write_source="native_kv", mem_depth=1)]
+    with torch.no_grad():
+        feats = [h.encode(imgs, torch.tensor([0, 1])) for h in hosts]
+    for i in range(len(hosts)):
+        for j in range(i):
+            same = feats[i].shape == feats[j].shape and torch.equal(feats[i], feats[j])
+            assert (train.feature_cache_key(hosts[i]) == train.feature_cache_key(hosts[j])) == same, (i, j)
+
+
 def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     root, ck = trained
     losses = json.loads((root / "run" / "log.json").read_text())["losses"]
@@ -1532,7 +1565,7 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
     init = make_host("dit", HostConfig(**c["config"]))
     files = data.find_demo_files(root / "data", "memory", generate=False)
-    key = data.cache_key_for(host.cfg.vision, host.cfg.image_size, host="dit", tower=host.tower.fingerprint())
+    key = train.feature_cache_key(host)
     fd = data.FrameData(data.build_feature_cache(files, None, key, root / "cache", progress=False), c["stats"],
                         c["vocab"])  # all cached: the encoder is never called
     assert fixed_window_loss(host, fd) < 0.8 * fixed_window_loss(init, fd)
@@ -1549,12 +1582,24 @@ def test_resume_is_exact(tmp_path):
     a = tiny_train(tmp_path, "a", "--steps", "10", "--save-every", "100")
     tiny_train(tmp_path, "b", "--steps", "10", "--save-every", "100", "--stop-at", "6")  # "interrupted" at 6
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 6
-    b = tiny_train(tmp_path, "b", "--steps", "10", "--save-every", "100", "--resume")
+    # the resumed command names only the run: every other setting (TINY's architecture, --lr, --warmup, --steps)
+    # comes from the checkpoint, not from train.py's defaults
+    b = train.main(["--out", str(tmp_path / "b"), "--data", str(tmp_path / "data"), "--cache-dir",
+                    str(tmp_path / "cache"), "--resume"])
     wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
-    assert wb["step"] == 10
+    assert wb["step"] == 10 and wb["args"]["lr"] == 3e-3 and wb["args"]["steps"] == 10
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k
     assert torch.equal(wa["mem_state"][0], wb["mem_state"][0]) and wa["sampler"] == wb["sampler"]
+    log = lambda run: json.loads((tmp_path / run / "log.json").read_text())["losses"]
+    assert log("b") == log("a") and len(log("a")) == 10  # the whole run's losses, not only the resumed part
+    # a given setting that would not continue the saved run is refused, naming the flag
+    with pytest.raises(ValueError, match="trained with --mem-heads 2, this run asks for 4"):
+        tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--mem-heads", "4")
+    # the schedule may change: train on to more steps with another weight decay
+    wd = torch.load(tiny_train(tmp_path, "b", "--steps", "11", "--resume", "--weight-decay", "0.5"),
+                    weights_only=False)["optimizer"]["param_groups"]
+    assert sorted(g["weight_decay"] for g in wd) == [0.0, 0.0, 0.5, 0.5]
     # a checkpoint of a --cuda-graphs run (capturable AdamW, lr tensors) resumes eagerly, here on the CPU
     tiny_train(tmp_path, "c", "--steps", "10", "--save-every", "100", "--stop-at", "6")
     ck = torch.load(tmp_path / "c" / "ckpt.pt", weights_only=False)
@@ -1564,7 +1609,7 @@ def test_resume_is_exact(tmp_path):
     wc = torch.load(tiny_train(tmp_path, "c", "--steps", "10", "--save-every", "100", "--resume"), weights_only=False)
     assert all(torch.equal(wa["model"][k], wc["model"][k]) for k in wa["model"])
     assert not any(g["capturable"] for g in wc["optimizer"]["param_groups"])
-    with pytest.raises(ValueError, match="memory='dram'"):
+    with pytest.raises(ValueError, match="trained with --memory 'dram', this run asks for 'none'"):
         tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--memory", "none")
     ck = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)  # as written before --mem-lr-mult existed
     ck["optimizer"]["param_groups"] = ck["optimizer"]["param_groups"][:2]
@@ -1586,6 +1631,16 @@ def test_memory_lr_multiplier(tmp_path):
     assert not all(torch.equal(ck["model"][k], init[k]) for k in rest)
     assert sorted(g["lr_mult"] for g in ck["optimizer"]["param_groups"]) == [0.0, 0.0, 1.0, 1.0]
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "0"], "--save-every must be >= 1"),
+    (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file")])
+def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
+    """Refused before anything runs (no demos generated, no run folder), naming the argument."""
+    with pytest.raises(SystemExit):
+        train.get_args(argv)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

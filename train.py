@@ -40,7 +40,7 @@ from hosts import HostConfig, capture_cuda_graph, make_host
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
 
 
-def get_args(argv=None):
+def parser():
     p = argparse.ArgumentParser(description="Truncated-BPTT training of DRAM on a frozen host policy")
     p.add_argument("--host", default="dit", choices=["dit", "vla"])
     p.add_argument("--memory", default="dram", choices=["dram", "none"])
@@ -87,7 +87,18 @@ def get_args(argv=None):
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
+    return p
+
+
+def get_args(argv=None):
+    p = parser()
     a = p.parse_args(argv)
+    for k in ("steps", "batch", "window", "chunk", "episodes", "save_every", "mem_depth", "mem_heads", "mem_dim",
+              "d_model", "head_blocks", "vla_layers", "flow_steps"):
+        if getattr(a, k) is not None and getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if a.weights_file and not Path(a.weights_file).is_file():
+        p.error(f"--weights-file {a.weights_file}: no such file")
     for k, v in DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -97,6 +108,41 @@ def get_args(argv=None):
     a.pretrained = lib if a.pretrained is None else a.pretrained
     a.mem_depth = a.mem_depth or (2 if lib else 1)
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
+    return a
+
+
+def given_flags(argv=None):
+    """The destinations set on the command line itself (not by a default)."""
+    p, unset = parser(), object()
+    p.set_defaults(**{k: unset for k in vars(p.parse_args(argv))})
+    return {k for k, v in vars(p.parse_args(argv)).items() if v is not unset}
+
+
+# --resume: what this run's command line may set differently from the saved run's (everything else is the saved
+# run's value unless given again, and must then be equal)
+RESUME_THIS_RUN = ("resume", "out", "data", "cache_dir", "no_cache", "device", "cuda_graphs", "stop_at",
+                   "save_every", "eval_episodes", "weights_file")  # where and how this process runs
+RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # e.g. train on to more steps
+
+
+def resume_args(a, saved, given, path):
+    """The arguments of a resumed run: the saved run's (checkpoint["args"]), except those of RESUME_THIS_RUN and
+    what the command line gives again. A given model, data or sampler setting that differs is an error: it would
+    not continue the saved run (a different architecture does not load; another batch, window, seed or data
+    changes the stream of windows)."""
+    a = argparse.Namespace(**vars(a))
+    for k, v in saved.items():
+        if k in RESUME_THIS_RUN or not hasattr(a, k):
+            continue
+        if k not in given:
+            setattr(a, k, v)
+        elif getattr(a, k) != v and k in RESUME_SCHEDULE:
+            if int(os.environ.get("RANK", 0)) == 0:
+                    print(f"--resume: --{k.replace('_', '-')} {getattr(a, k)} (the saved run had {v})")
+        elif getattr(a, k) != v:
+            raise ValueError(f"--resume: {path} was trained with --{k.replace('_', '-')} {v!r}, this run asks for "
+                             f"{getattr(a, k)!r}; leave the flag out to continue the saved run, or train a new run "
+                             f"with another --out")
     return a
 
 
@@ -269,9 +315,17 @@ def scan(files):
     return sorted(vocab), Da
 
 
+def feature_cache_key(host):
+    """Everything the cached features depend on: tower, image size, tower weights, and for the vla host the number of
+    backbone layers whose keys, values and hidden states it stores."""
+    extra = dict(layers=host.cfg.vla_layers) if host.cfg.host == "vla" else {}
+    return data.cache_key_for(host.cfg.vision, host.cfg.image_size, host=host.cfg.host, tower=host.tower.fingerprint(),
+                              **extra)
+
+
 def build_episodes(host, files, a, rank=0):
-    """Frozen features for every frame (cached on disk, keyed by tower, image size and tower weights)."""
-    key = data.cache_key_for(host.cfg.vision, host.cfg.image_size, host=host.cfg.host, tower=host.tower.fingerprint())
+    """Frozen features for every frame, cached on disk under feature_cache_key(host)."""
+    key = feature_cache_key(host)
     eps = []
     for f in files:  # one call per file: the vla backbone also sees that file's (frozen) instruction token
         instr, _ = data.iter_demo_file(f, images=False)
@@ -306,6 +360,14 @@ def setup_distributed(a):
 
 def main(argv=None):
     a = get_args(argv)
+    out = Path(a.out)
+    ckpt_path = out / "ckpt.pt"
+    ck = None
+    if a.resume:
+        if not ckpt_path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        a = resume_args(a, ck.get("args", {}), given_flags(argv), ckpt_path)
     rank, world = setup_distributed(a)
     if a.cuda_graphs and (torch.device(a.device).type != "cuda" or world > 1):
         raise SystemExit(f"--cuda-graphs needs --device cuda and one process (got --device {a.device}, "
@@ -313,8 +375,9 @@ def main(argv=None):
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
-    out = Path(a.out)
-    ckpt_path = out / "ckpt.pt"
+    if ck is not None and ck.get("world", 1) != world:
+        raise ValueError(f"--resume: {ckpt_path} was trained by {ck.get('world', 1)} process(es), this run has "
+                         f"{world}: each process resumes its own streams")
 
     files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
@@ -326,17 +389,12 @@ def main(argv=None):
                      write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer, mem_heads=a.mem_heads,
                      mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model, head_blocks=a.head_blocks,
                      vla_layers=a.vla_layers, flow_steps=a.flow_steps)
-    ck = None
-    if a.resume:
-        if not ckpt_path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        saved = ck["config"]
-        for k in ("host", "memory", "write_source", "vision", "image_size", "chunk", "vocab"):
-            want = a.host if k == "host" else getattr(cfg, k)
-            have = tuple(saved[k]) if k == "vocab" else saved[k]
-            if have != want:
-                raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run asks for {want!r}")
+    if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
+        now = dataclasses.asdict(cfg) | dict(host=a.host)
+        for k, have in ck["config"].items():
+            have = tuple(have) if isinstance(have, list) else have
+            if k != "weights_file" and have != now.get(k, have):
+                raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run has {now[k]!r}")
     host = make_host(a.host, cfg).to(dev)
     if ck is not None and ck.get("tower_fingerprint") != host.tower.fingerprint():
         raise ValueError(f"--resume: {ckpt_path} was trained with other frozen tower weights ({cfg.vision}; check "
@@ -369,10 +427,10 @@ def main(argv=None):
         if len(ck["optimizer"]["param_groups"]) != len(opt.param_groups):
             raise ValueError(f"--resume: {ckpt_path} was written by an older train.py (other optimizer parameter "
                              f"groups); start a new run with another --out")
-        mults = [g["lr_mult"] for g in opt.param_groups]
+        this_run = [(g["lr_mult"], g["weight_decay"]) for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
-        for g, m in zip(opt.param_groups, mults):  # this run's --mem-lr-mult, not the saved one
-            g["lr_mult"] = m
+        for g, (m, wd) in zip(opt.param_groups, this_run):  # this run's --mem-lr-mult, --weight-decay
+            g["lr_mult"], g["weight_decay"] = m, wd
         sampler.load_state_dict(ck["sampler"][rank])
         mem_state = ck["mem_state"][rank].to(dev)
         torch.set_rng_state(ck["rng"][rank]["torch"])
@@ -403,12 +461,14 @@ def main(argv=None):
                 model=trainable_state(host), config=dataclasses.asdict(cfg), stats=fd.stats, vocab=vocab,
                 optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
                 mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
-                tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world))
+                tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
+                losses=losses))
 
     host.train()
     graphed = None  # GraphedTrainStep, captured on the first window (--cuda-graphs)
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
-    t0, frames, losses = time.time(), 0, []
+    t0, frames = time.time(), 0
+    losses = [] if ck is None else list(ck.get("losses", []))  # the whole run's, for log.json
     stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
     while step < stop:
         batch = fd.batch(sampler.next_window(), device=dev)
