@@ -40,7 +40,7 @@ import torch.utils.benchmark as benchmark
 import dram
 from dram import DRAMConfig, DRAMLayer, joint_write, sequential_delta_write, write_weights
 from hosts import HostConfig, capture_cuda_graph, make_host
-from train import GraphedTrainStep, train_step
+from train import DEFAULTS, LIBERO_CHUNK, GraphedTrainStep, train_step
 
 # ----------------------------------------------------------------------------------------------------------
 # Timing, machine description, report
@@ -440,7 +440,7 @@ def part2(args, device, rep):
 #   libero:   vit_small_patch16_224.dino at 128 px -> 2 cameras x 64 patches + 1 instruction token = 129 x 384
 #   embedded: vit_tiny_patch16_224 at 64 px        -> 2 cameras x 16 patches + 1 instruction token =  33 x 192
 HOST_SIZES = {
-    "libero": dict(vision="vit_small_patch16_224.dino", image_size=128),
+    "libero": dict(vision="vit_small_patch16_224.dino", image_size=128, chunk=LIBERO_CHUNK),
     "embedded": dict(vision="vit_tiny_patch16_224", image_size=64),
     # the DiT action head at the size of GR00T N1.5's (Isaac-GR00T FlowmatchingActionHead: 16 blocks alternating
     # cross / self attention, 32 heads x 48 = width 1536, cross-attention to tokens of width 2048, action horizon
@@ -463,12 +463,10 @@ def host_sizes(args, device):
 
 
 def make_dit(size, memory, device):
-    """The DiT host exactly as train.py builds it (its defaults: mem depth 2, 4 heads, dk = dv = 32, head width 128,
-    4 blocks, chunk 4; the gr00t size overrides the head's and memory's sizes), random tower weights (timing does not
-    depend on them). A trained-looking memory: f_O is zero at initialisation (exact identity), here small random so
-    that reads reach the head and gradients flow."""
-    from train import DEFAULTS  # the training defaults are the configuration being measured
-
+    """The DiT host as train.py builds it (mem depth 2, 4 heads, dk = dv = 32, head width 128, 4 blocks; action chunk
+    10 at the libero size, 4 at the embedded one; the gr00t size overrides the head's and memory's sizes), random
+    tower weights (timing does not depend on them). A trained-looking memory: f_O is zero at initialisation (exact
+    identity), here small random so that reads reach the head and gradients flow."""
     cfg = HostConfig(**(dict(memory=memory, chunk=DEFAULTS["chunk"], vocab=("bench instruction",), pretrained=False)
                         | HOST_SIZES[size]))
     host = make_host("dit", cfg).to(device)

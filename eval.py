@@ -14,7 +14,9 @@ expert denoises a new chunk, the memory persists across chunks); --reset-every L
 states every L observation frames (see `memory_reset_rows` for the exact frame indices).
 
 The policy seam (the only thing a policy must provide):
-  policy.reset(rows: np.ndarray bool [n])                   clear the memory of the rows marked True
+  policy.reset(rows, new_episode)   (np.ndarray bool [n] each) clear the memory of the rows marked in rows; those
+                                    marked in new_episode (a subset) start an episode, where a chunking policy also
+                                    drops its current chunk (a --reset-every reset keeps it)
   policy.act(frames: list[dict], instructions: list[str])   -> np.ndarray [n, Da], one row per environment slot
 `frames` are data.policy_frame(obs) of the raw observations below = (images {camera: uint8 [H, W, 3] upright},
 state float32 [8]), the same function that builds the training frames.
@@ -318,7 +320,7 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
         active = np.array([e is not None for e in ep])  # [n]
         rows = memory_reset_rows(frame, reset_every) & active  # [n]
         if rows.any():
-            policy.reset(rows)
+            policy.reset(rows, (frame == 0) & active)
         actions = np.asarray(policy.act([frame_fn(o) for o in obs], list(instr)))  # [n, Da]
         if actions.ndim != 2 or actions.shape[0] != n:
             raise ValueError(f"policy.act returned shape {actions.shape}, expected [{n}, action_dim]")
@@ -348,7 +350,7 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
 class ZeroPolicy:
     """Stand-in policy: no motion, gripper open (the protocol's dummy action). Memoryless."""
 
-    def reset(self, rows):
+    def reset(self, rows, new_episode):
         pass
 
     def act(self, frames, instructions):
@@ -361,7 +363,7 @@ class RandomPolicy:
     def __init__(self, seed=0):
         self.rng = np.random.default_rng(seed)
 
-    def reset(self, rows):
+    def reset(self, rows, new_episode):
         pass
 
     def act(self, frames, instructions):
@@ -435,8 +437,11 @@ class CheckpointPolicy:
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
         self.state = self.chunk = self.age = self.graphed = None
 
-    def reset(self, rows):
+    def reset(self, rows, new_episode=None):
+        """rows: clear their memory; new_episode (default: rows): those also start an episode, so a new chunk is
+        denoised at once (a --reset-every reset in the middle of an episode keeps the chunk schedule)."""
         rows = np.asarray(rows, bool)  # [n]
+        new_episode = rows if new_episode is None else np.asarray(new_episode, bool)  # [n]
         n, cfg = len(rows), self.host.cfg
         if self.state is None or self.state.shape[0] != n:  # first call: all rows start
             self.state = self.host.init_state(n, self.device)
@@ -445,7 +450,7 @@ class CheckpointPolicy:
             self.graphed = None  # captured for n rows: capture again at the next act()
         # in place: a captured transition reads and writes this buffer
         self.state.copy_(self.host.reset_state(self.state, torch.as_tensor(rows, device=self.device)))
-        self.age[rows] = cfg.chunk  # force a new chunk
+        self.age[new_episode] = cfg.chunk  # force a new chunk
 
     @torch.no_grad()
     def act(self, frames, instructions):

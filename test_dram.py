@@ -11,6 +11,8 @@ import io
 import json
 import math
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -1239,9 +1241,11 @@ class RecordingPolicy:
     """Counts, per row, the frames since its last reset; logs what it saw at every call."""
 
     def __init__(self):
-        self.resets, self.calls, self.count = [], [], None
+        self.resets, self.calls, self.count, self.starts = [], [], None, 0
 
-    def reset(self, rows):
+    def reset(self, rows, new_episode):
+        assert not (new_episode & ~rows).any()  # an episode start clears the memory too
+        self.starts += int(new_episode.sum())
         if self.count is None:
             assert rows.all(), "the first reset must cover every row (start of the first episodes)"
             self.count = np.zeros(len(rows), dtype=int)
@@ -1283,6 +1287,7 @@ def test_reset_schedule_per_row(L):
     assert fed == {e: list(range(expect[e])) for e in episodes}
     assert {(r["task_id"], r["trial"]): r["steps"] for r in recs} == expect
     assert {(r["task_id"], r["trial"]) for r in recs if r["success"]} == {e for e in episodes if e[1] % 2 == 0}
+    assert policy.starts == len(episodes)  # new_episode marks each episode's first frame once, whatever L is
 
 
 def test_memory_reset_rows_frames():
@@ -1633,6 +1638,37 @@ def test_memory_lr_multiplier(tmp_path):
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
 
 
+def readme_commands(script):
+    """The argument lists of every `python SCRIPT.py ...` line in README's code blocks (comments, `&&` tails and
+    placeholders dropped)."""
+    blocks = re.findall(r"```\n(.*?)```", (Path(__file__).parent / "README.md").read_text(), re.S)
+    for line in "\n".join(blocks).splitlines():
+        m = re.search(rf"\b{script}\.py\b(.*)", line)
+        if m:
+            yield [{"S": "0"}.get(x, x) for x in shlex.split(m.group(1).split("#")[0].split("&&")[0])
+                   if x != "[OPTIONS]"]
+
+
+def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
+    """Every train.py / eval.py command README shows is accepted as written, and an eval command's --replan fits
+    the chunk of the checkpoint that README's train command writes there (eval.py would refuse it otherwise)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "W.safetensors").touch()  # README's offline weights file
+    chunks = {}
+    for argv in readme_commands("train"):
+        a = train.get_args(argv)
+        chunks[str(Path(a.out) / "ckpt.pt")] = a.chunk
+    assert chunks["runs/dit-dram-libero_10/ckpt.pt"] == train.LIBERO_CHUNK and len(chunks) >= 6
+    n = 0
+    for argv in readme_commands("eval"):
+        e = ev.get_args(argv)
+        for ck in e.ckpt or []:
+            if ck in chunks:
+                n += 1
+                assert 1 <= e.replan <= chunks[ck], (argv, chunks[ck])
+    assert n >= 4
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "0"], "--save-every must be >= 1"),
     (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file")])
@@ -1822,6 +1858,15 @@ def test_checkpoint_policy_deployment_semantics(trained):
     assert S.abs().sum() > 0
     pol.reset(np.array([True]))
     assert pol.state.abs().sum() == 0  # memory reset of that row
+    # --reset-every's resets in the middle of an episode clear the memory but keep the chunk schedule
+    pol.reset(np.array([True]), new_episode=np.array([True]))
+    n0 = count.samples
+    for t in range(7):
+        if t in (2, 4, 6):
+            pol.reset(np.array([True]), new_episode=np.array([False]))
+            assert pol.state.abs().sum() == 0
+        pol.act([data.policy_frame(obs)], [env.instruction])
+    assert count.samples - n0 == 3  # frames 0, 3, 6 as without the resets
     with pytest.raises(KeyError, match="unknown to this checkpoint.*fold the towel"):
         pol.act([data.policy_frame(obs)], ["fold the towel"])
 
@@ -1923,9 +1968,9 @@ def test_libero_rollout_with_untrained_checkpoint(tmp_path):
     rec = RecordingPolicy()
 
     class Tapped:  # records what the checkpoint policy is given
-        def reset(self, rows):
-            rec.reset(rows)
-            policy.reset(rows)
+        def reset(self, rows, new_episode):
+            rec.reset(rows, new_episode)
+            policy.reset(rows, new_episode)
 
         def act(self, frames, instructions):
             rec.calls.append((frames, list(instructions)))

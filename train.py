@@ -38,6 +38,7 @@ from hosts import HostConfig, capture_cuda_graph, make_host
 # reliably but was not better on average over eight seeds (README; measured before the DiT head's adaLN saw the
 # instruction, with which one layer learned it with six seeds of seven).
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
+LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
 def parser():
@@ -56,7 +57,8 @@ def parser():
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained)")
     p.add_argument("--window", type=int, default=None, help="TBPTT window T (frames)")
-    p.add_argument("--chunk", type=int, default=None, help="action chunk length C")
+    p.add_argument("--chunk", type=int, default=None, help=f"action chunk length C (default {DEFAULTS['chunk']} "
+                   f"embedded suite, {LIBERO_CHUNK} LIBERO)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch", type=int, default=None, help="parallel streams B (per rank)")
     p.add_argument("--lr", type=float, default=None)
@@ -99,10 +101,12 @@ def get_args(argv=None):
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
+    lib = a.suite != data.MEMORY_SUITE
+    if lib and a.chunk is None:
+        a.chunk = LIBERO_CHUNK
     for k, v in DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    lib = a.suite != data.MEMORY_SUITE
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
     a.pretrained = lib if a.pretrained is None else a.pretrained
