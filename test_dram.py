@@ -205,18 +205,71 @@ def test_masking_padding_and_empty_frames():
     # valid frame, all weights zero: exactly gamma * S
     out0 = joint_write(S, K, V, torch.zeros_like(w), gamma)
     assert torch.equal(out0, gamma[:, None, None] * S)
+    # empty frame (N = 0 write tokens): the decayed state, on both systems
+    for wood in (False, True):
+        out_empty = joint_write(S, K[:, :0], V[:, :0], w[:, :0], gamma, woodbury=wood)
+        assert (out_empty - gamma[:, None, None] * S).abs().max() < 1e-12
 
 
 def test_conditioning_bound_at_cap():
-    """cond(A) <= 1 + 99 N with every gate at the cap (eq. app-conditioning), for adversarial (identical) keys."""
+    """cond(A) <= 1 + 99 N with every gate at the cap (eq. app-conditioning), for adversarial (identical) keys, and
+    the joint write at that conditioning: the float64 result solves the normal equation to rounding, and the
+    float32 one stays within 10 cond(A) 2^-24 of it (a method that squared the conditioning would not)."""
+    g = torch.Generator().manual_seed(23)
     for N in (4, 16, 64):
-        K = F.normalize(torch.randn(N, 32, dtype=f64), dim=-1)
+        K = F.normalize(torch.randn(N, 32, dtype=f64, generator=g), dim=-1)
         for keys in (K, K[:1].expand(N, 32)):
             w = write_weights(torch.ones(N, dtype=f64))
             A = torch.eye(32, dtype=f64) + keys.mT @ (w[:, None] * keys)
             cond = torch.linalg.cond(A).item()
             assert cond <= 1 + 99 * N + 1e-6
-        assert torch.linalg.cond(A).item() == pytest.approx(1 + 99 * N, rel=1e-9)  # identical keys attain it
+            S, V, gamma = torch.randn(32, 16, dtype=f64, generator=g), torch.randn(N, 16, dtype=f64, generator=g), \
+                torch.tensor(0.9, dtype=f64)
+            for wood in (False, True) if N < 32 else (False,):  # (dram picks the N x N system only for N < dk)
+                out = joint_write(S, keys, V, w, gamma, woodbury=wood)
+                rhs = gamma * S + keys.mT @ (w[:, None] * V)  # eq. (normal-eq): A S_t = S_bar + K^T W V
+                assert (A @ out - rhs).abs().max() <= 1e-12 * A.abs().max() * out.abs().max()
+                o32 = joint_write(*(x.float() for x in (S, keys, V, w, gamma)), woodbury=wood).double()
+                assert (o32 - out).abs().max() <= 10 * cond * 2.0 ** -24 * out.abs().max(), (N, wood)
+        assert cond == pytest.approx(1 + 99 * N, rel=1e-9)  # identical keys attain it
+
+
+def test_joint_write_keeps_tf32_off_in_forward_and_backward():
+    """Appendix (numerics): the Gram matrix and the solve in true FP32 even where the user turned TF32 on. Every
+    matmul of the joint write's forward and backward sees TF32 off (autograd runs the backward outside the
+    forward's context), recorded by a dispatch mode at each matmul; the user's setting is back afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    m = torch.backends.cuda.matmul
+    new_api = hasattr(m, "fp32_precision")  # torch >= 2.9
+    tf32 = lambda: m.fp32_precision == "tf32" if new_api else m.allow_tf32
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "bmm", "baddbmm", "addmm"):
+                seen.append(tf32())
+            return func(*args, **(kwargs or {}))
+
+    old = m.fp32_precision if new_api else m.allow_tf32
+    for N in (5, 12):  # the N x N and the dk x dk system
+        S, K, V, w, gamma = rand_frame(2, N=N, dk=8, dv=4, seed=29)
+        K, V, w, gamma = (x[:, None].float().repeat(1, 3, *[1] * (x.dim() - 1)) for x in (K, V, w, gamma))  # T = 3
+        K.requires_grad_(True)
+        seen = []
+        try:
+            if new_api:
+                m.fp32_precision = "tf32"
+            else:
+                m.allow_tf32 = True
+            with Record():
+                joint_write_window(S.float(), K, V, w, gamma).sum().backward()
+            assert tf32()
+        finally:
+            if new_api:
+                m.fp32_precision = old
+            else:
+                m.allow_tf32 = old
+        assert len(seen) > 10 and not any(seen), seen
 
 
 def test_gradcheck_float64_both_paths():
@@ -310,6 +363,71 @@ def test_initial_gates():
     assert torch.allclose(w, torch.ones_like(w))  # beta = 0.5 -> w = 1
     expected = torch.exp(-torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), 4)))
     assert torch.allclose(gamma, expected.expand_as(gamma), atol=1e-6)
+
+
+def test_gates_follow_their_closed_forms():
+    """eq. (retention) and eq. (write-gate) written out in float64 against project() on a perturbed layer, with
+    padded write tokens holding garbage: gamma reads the mask-aware mean of the normalised rows g_i = LN(x_i),
+    beta is capped at 0.99, w is the capped odds times p_i (0 for padded tokens)."""
+    layer = trained_like(DRAMLayer(small_cfg(n_heads=3))).double().requires_grad_(False)
+    layer.write_gate.bias[0] = 6.0  # head 0 past the cap
+    g = torch.Generator().manual_seed(5)
+    xq, xk, xv = (torch.randn(2, n, d, dtype=f64, generator=g) for n, d in ((5, 24), (7, 20), (7, 16)))
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    xk[1, 4:] = 1e3 * torch.randn(3, 20, dtype=f64, generator=g)  # garbage in the padded rows
+    _, _, _, w, gamma = layer.project(xq, xk, xv, kv_mask=mask)  # w [2, H, N], gamma [2, H]
+    ln, Wr, br, Wb, bb = layer.ln_k, layer.retention.weight, layer.retention.bias, layer.write_gate.weight, \
+        layer.write_gate.bias
+    z = (xk - xk.mean(-1, keepdim=True)) / torch.sqrt(xk.var(-1, unbiased=False, keepdim=True) + ln.eps)
+    z = z * ln.weight + ln.bias  # [2, N, D_K]
+    capped = 0
+    for b in range(2):
+        g_bar = z[b][mask[b]].mean(0)  # [D_K] over the valid rows only
+        for h in range(3):
+            pre = float(g_bar @ Wr[h] + br[h])
+            assert float(gamma[b, h]) == pytest.approx(math.exp(-math.exp(float(layer.a_log[h])) *
+                                                                math.log1p(math.exp(pre))), rel=1e-12)
+            for i in range(7):
+                beta = 1.0 / (1.0 + math.exp(-float(z[b, i] @ Wb[h] + bb[h])))
+                capped += beta > 0.99
+                expect = min(beta, 0.99) / (1.0 - min(beta, 0.99)) if mask[b, i] else 0.0
+                assert float(w[b, h, i]) == pytest.approx(expect, rel=1e-12, abs=1e-300)
+    assert capped >= 7
+
+
+def test_padded_write_tokens_change_nothing_in_the_layer():
+    """A frame whose write sources are padded (kv_mask False, garbage values) gives the same output, readout and
+    state as the same frame with those tokens removed: no contribution to the write nor to the gates' mean."""
+    layer = trained_like(DRAMLayer(small_cfg())).double()
+    g = torch.Generator().manual_seed(9)
+    xq, xk, xv = (torch.randn(2, n, d, dtype=f64, generator=g) for n, d in ((5, 24), (7, 20), (7, 16)))
+    S = torch.randn(2, 2, 8, 6, dtype=f64, generator=g)
+    n_valid = [7, 4]
+    mask = torch.arange(7)[None] < torch.tensor(n_valid)[:, None]  # [2, 7]
+    xk[1, 4:], xv[1, 4:] = 1e3, -1e3  # garbage in the padded rows
+    outs = layer.step(xq, xk, xv, S, kv_mask=mask)
+    win = layer(xq[:, None], xk[:, None], xv[:, None], S, kv_mask=mask[:, None])  # a window of one frame
+    for b, n in enumerate(n_valid):
+        ref = layer.step(xq[b:b + 1], xk[b:b + 1, :n], xv[b:b + 1, :n], S[b:b + 1])
+        for o, ow, r in zip(outs, win, ref):
+            assert (o[b] - r[0]).abs().max() < 1e-12
+            assert (ow[b].reshape(r[0].shape) - r[0]).abs().max() < 1e-12
+
+
+def test_gates_stay_fp32_under_autocast():
+    """Under bf16 autocast the projections run in bf16, the gates in fp32 (their linear maps included): a retention
+    bias near -7 rounded to bf16 would move the decay rate by ~1 %."""
+    torch.manual_seed(0)
+    layer = trained_like(DRAMLayer(small_cfg(n_heads=4)))
+    with torch.no_grad():
+        layer.retention.bias.fill_(-6.9)
+    x = [torch.randn(2, 9, d) for d in (24, 20, 16)]
+    _, _, _, w, gamma = layer.project(*x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Q, _, _, w16, gamma16 = layer.project(*x)
+    assert Q.dtype == torch.bfloat16 and w16.dtype == gamma16.dtype == torch.float32
+    torch.testing.assert_close(-gamma16.log(), -gamma.log(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(w16, w, rtol=1e-5, atol=0)
 
 
 def test_read_before_write():
@@ -593,7 +711,10 @@ def test_frozen_backbone_untouched_by_training(kind, ws):
 
 @pytest.mark.parametrize("kind,ws", HOST_KINDS)
 def test_host_causality(kind, ws):
-    """Frame t's conditioning never depends on later frames, and frame t's readout uses S_{t-1} (not frame t's write)."""
+    """Frame t's conditioning never depends on later frames; stepping frame by frame gives the window's context. For
+    the separate-source host, frame t's readout (the memory prefix) is a function of S_{t-1} only: changing frame
+    t's features leaves it as it is and changes frame t+1's. (In the shared-source DiT host frame t's tokens are
+    both the query and the write source; test_read_before_write checks the layer's order there.)"""
     host = perturb(tiny_host(kind, ws))
     feats, instr, b = random_window(host, T=4)
     S0 = host.init_state(2)
@@ -615,6 +736,12 @@ def test_host_causality(kind, ws):
     for k in ctx:
         assert (ctx_t[k] - ctx[k][:, 2]).abs().max() < 1e-5
     assert (S_t - S_prev).abs().max() > 1e-4
+    if kind == "vla":
+        now = feats.clone()
+        now[:, 2] = torch.randn_like(now[:, 2])
+        ctx3, _ = host.context(now, instr, S0)
+        assert torch.equal(ctx3["prefix"][:, :3], ctx["prefix"][:, :3])
+        assert (ctx3["prefix"][:, 3] - ctx["prefix"][:, 3]).abs().max() > 1e-4
 
 
 def test_dit_head_conditions_on_the_instruction():
