@@ -217,6 +217,16 @@ def demo_lengths(path):
                 for n in _demo_names(f, path)}
 
 
+def frame_size(path):
+    """(H, W) of the camera images of a demo file (its first demo; no pixel reads)."""
+    with h5py.File(path, "r") as f:
+        name = _demo_names(f, path)[0]
+        key = f"obs/{CAMERAS[0]}"
+        if key not in f["data"][name]:
+            raise DataError(f"{path}: data/{name}/{key} is missing")
+        return tuple(int(x) for x in f["data"][name][key].shape[1:3])
+
+
 def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
     """Write episodes in LIBERO's layout. episodes: list of dicts with raw (upside-down) obs stacks
     agentview_rgb/eye_in_hand_rgb [T,H,W,3] uint8, ee_states [T,6], gripper_states [T,2], actions [T,Da],

@@ -427,6 +427,7 @@ class CheckpointPolicy:
 
         self.host, ck = load_checkpoint(ckpt, device)
         self.stats, self.device = ck["stats"], torch.device(device)
+        self.frame_size = tuple(ck["frame_size"]) if "frame_size" in ck else None  # (H, W) of the training frames
         # the file's content identifies the policy in episode logs: a checkpoint retrained at the same path must not
         # resume the old one's episodes
         self.sha1 = ck["file_sha1"]
@@ -519,7 +520,8 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
         policy = CheckpointPolicy(ck, device, replan, cuda_graphs)
         run = dict(policy=os.path.abspath(ck), checkpoint_sha1=policy.sha1, seed=seed, reset_every=reset_every,
                    replan=replan)
-        slots = EnvSlots(functools.partial(make_memory_env, seed=seed), num_envs)
+        size = policy.frame_size[0] if policy.frame_size else 64  # rendered as the training demos were
+        slots = EnvSlots(functools.partial(make_memory_env, seed=seed, img_size=size), num_envs)
         t0 = time.time()
         summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where, run, reset_every=reset_every,
                                  quiet=True)
@@ -714,6 +716,9 @@ def main(argv=None):
     if args.ckpt:
         policy = CheckpointPolicy(args.ckpt[0], args.device, args.replan, args.cuda_graphs)
         name = os.path.abspath(args.ckpt[0])
+        if policy.frame_size not in (None, (args.image_size, args.image_size)):
+            raise SystemExit(f"{args.ckpt[0]} was trained on {policy.frame_size[0]} x {policy.frame_size[1]} frames; "
+                             f"render the simulator at that size (--image-size {policy.frame_size[0]})")
     else:
         policy, name = (ZeroPolicy() if args.policy == "zero" else RandomPolicy(args.seed)), args.policy
     tag = os.path.basename(os.path.dirname(name)) if args.ckpt else args.policy

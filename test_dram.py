@@ -2067,6 +2067,30 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
         ev.evaluate_memory_suite([str(mine)], episodes=1, tasks=[0], out=out2, num_envs=1)
 
 
+def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monkeypatch):
+    """The checkpoint records the demos' frame size; the embedded-suite evaluation renders at it, and a LIBERO
+    evaluation at another --image-size is refused before any simulator starts."""
+    _, ck = trained
+    assert torch.load(ck, weights_only=False)["frame_size"] == [64, 64]  # the embedded suite's default rendering
+    c = torch.load(ck, weights_only=False)
+    c["frame_size"] = [48, 48]  # as if trained on demos generated with `python data.py --img-size 48`
+    torch.save(c, tmp_path / "ckpt48.pt")
+    seen = []
+    real = ev.MemorySuiteEnv.reset
+
+    def reset(self, trial):
+        obs = real(self, trial)
+        seen.append(obs["agentview_rgb"].shape)
+        return obs
+
+    monkeypatch.setattr(ev.MemorySuiteEnv, "reset", reset)
+    ev.evaluate_memory_suite([str(tmp_path / "ckpt48.pt")], episodes=1, tasks=[0], out=str(tmp_path / "ev"),
+                             num_envs=1)
+    assert seen == [(48, 48, 3)]
+    with pytest.raises(SystemExit, match=r"trained on 48 x 48 frames.*--image-size 48"):
+        ev.main(["--suite", "libero_10", "--ckpt", str(tmp_path / "ckpt48.pt"), "--out", str(tmp_path / "lib")])
+
+
 def test_train_quick_eval_is_redone_for_a_new_run(tmp_path):
     """train.py's closing quick evaluation logs under <out>/eval_quick; training again into the same --out
     evaluates the new checkpoint instead of failing on (or resuming) the old run's log."""

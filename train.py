@@ -309,14 +309,18 @@ def set_lr(opt, lr):
 
 
 def scan(files):
-    """Instruction vocabulary and dims from the demo files (no pixels read)."""
-    vocab, Da = set(), None
+    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files (no pixels read).
+    The frame size is stored in the checkpoint: eval.py renders the simulator at the size the policy was trained on."""
+    vocab, Da, sizes = set(), None, {}
     for f in files:
         instr, demos = data.iter_demo_file(f, images=False)
         first = next(iter(demos))
         vocab.add(instr)
         Da = Da or first.actions.shape[1]
-    return sorted(vocab), Da
+        sizes.setdefault(data.frame_size(f), f)
+    if len(sizes) > 1:
+        raise data.DataError(f"the demo files' camera images differ in size: {sizes}")
+    return sorted(vocab), Da, next(iter(sizes))
 
 
 def feature_cache_key(host):
@@ -387,7 +391,7 @@ def main(argv=None):
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         dist.barrier()
         files = data.find_demo_files(a.data, a.suite, generate=False)
-    vocab, Da = scan(files)
+    vocab, Da, frame_hw = scan(files)
     cfg = HostConfig(memory=a.memory, vision=a.vision, pretrained=a.pretrained, weights_file=a.weights_file,
                      image_size=a.image_size, action_dim=Da, chunk=a.chunk, vocab=tuple(vocab),
                      write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer, mem_heads=a.mem_heads,
@@ -466,7 +470,7 @@ def main(argv=None):
                 optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
                 mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
                 tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
-                losses=losses))
+                losses=losses, frame_size=list(frame_hw)))
 
     host.train()
     graphed = None  # GraphedTrainStep, captured on the first window (--cuda-graphs)
