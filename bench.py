@@ -586,16 +586,23 @@ def part3(args, device, rep):
         fns["encode"] = encode
         med, per = compare(fns, device, args.min_run_time, args.rounds)
         enc = per["encode"]
+        ref = "dram t=10"
+        # the t = 1000 target compares identical computations to within 5 %, finer than one block per round resolves
+        # on a machine whose speed drifts by 10-20 % within seconds: the DRAM steps alone get a timing of their own,
+        # with 6x the rounds of shorter blocks (skipped where one step takes seconds: the gr00t size on a CPU)
+        dram_per = per
+        if med[ref] < 0.25:
+            _, dram_per = compare({f"dram t={t}": fns[f"dram t={t}"] for t in ts}, device, 3 * args.min_run_time,
+                                  6 * args.rounds)
         if graphed:  # the same steps replayed as CUDA graphs (as eval.py deploys them on a GPU)
             gmed, gper = compare({k: capture_cuda_graph(f)[0].replay for k, f in fns.items()}, device,
                                  args.min_run_time, args.rounds)
-        ref = "dram t=10"
         state_bytes = states[ts[0]][0].numel() * states[ts[0]].element_size()  # one stream, fp32
         out = {"tokens_per_frame": NP + 1, "width": D, "median_s": med, "rows": {}}
         for name in fns:
             if name == "encode":
                 continue
-            x = ratio(per, name, ref)  # time / time(DRAM at t = 10), policy step only
+            x = ratio(dram_per if name.startswith("dram") else per, name, ref)  # time / DRAM t = 10's, policy step
             tot = statistics.median((a + e) / (b + e) for a, b, e in zip(per[name], per[ref], enc))  # incl. encoder
             nbytes = state_bytes if name.startswith("dram") else bufs[int(name[2:])][0].numel() * 4
             ntok = NP + 1 if name.startswith("dram") else int(name[2:]) * NP + 1
@@ -624,7 +631,9 @@ def part3(args, device, rep):
         f"tokens) is identical for both and timed separately: "
         + ", ".join(f"{s} {ms(raw[s]['encode_s'])} ms" for s in sizes) + "; "
         f"'incl. encoder' adds it (at the gr00t size a ResNet-50 stands in for GR00T's vision-language model: "
-        f"shape only, no target). DRAM state: fp32 [L, H, dk, dv]; k-frame: fp32 [k, n_cam P, D] tokens."
+        f"shape only, no target). x of the DRAM rows: from a separate interleaved timing of the three DRAM steps "
+        f"alone (6x the rounds, 3x the time; not for the gr00t size on a CPU). DRAM state: fp32 [L, H, dk, dv]; "
+        f"k-frame: fp32 [k, n_cam P, D] tokens."
         + (" CUDA graph: the same policy step captured as one graph and timed by replays (eval.py deploys it so on "
            "a GPU); encoder as a graph: " + ", ".join(f"{s} {ms(raw[s]['graph_encode_s'])} ms" for s in sizes)
            + "." if graphed else ""),
