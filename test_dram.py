@@ -272,6 +272,55 @@ def test_joint_write_keeps_tf32_off_in_forward_and_backward():
         assert len(seen) > 10 and not any(seen), seen
 
 
+def test_bench_baselines_compute_the_joint_write():
+    """bench.py's part-1 baselines differ from joint_write only in how the solve is done and differentiated: in
+    float64 each gives the same state and the same gradients (the sequential rule only at N = 1, where the joint
+    write reduces to it; appendix, single-token correspondence)."""
+    import bench
+
+    for N in (1, 5, 12):
+        S, K, V, w, gamma = (x.double() for x in bench.make_frame(3, N, 8, 6, "cpu", seed=N))
+        K = F.normalize(K, dim=-1)  # unit rows in float64 (the single-token correspondence needs |k| = 1)
+        args = [x.clone().requires_grad_(True) for x in (S, K, V, w, gamma)]
+        ref = joint_write(*args)
+        g = torch.randn(ref.shape, dtype=f64, generator=torch.Generator().manual_seed(N))
+        ref_grads = torch.autograd.grad(ref, args, g)
+        fns = [bench.write_autograd_solve, bench.write_autograd_cholesky, bench.write_autograd_capturable]
+        for fn in fns + ([bench.write_sequential] if N == 1 else []):
+            out = fn(*args)
+            assert (out - ref).abs().max() < 1e-10, fn.__name__
+            grads = torch.autograd.grad(out, args, g)
+            # (the sequential rule equals the joint write on unit keys only: their K-gradients differ off that
+            # sphere, along k)
+            for i, (a, b) in enumerate(zip(grads, ref_grads)):
+                if not (fn is bench.write_sequential and i == 1):
+                    assert (a - b).abs().max() < 1e-9, (fn.__name__, i)
+
+
+def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
+    """The k-frame baseline conditions the head as the memoryless host does, plus one learned embedding per frame
+    age: with that embedding zeroed, k = 1 gives exactly the host's own tokens (camera and patch-position
+    embeddings, instruction token) for the current frame, and k = 2 the two frames' tokens, oldest in its slot."""
+    import bench
+
+    host = perturb(tiny_host("dit", memory="none"))
+    feats, instr, _ = random_window(host, B=2, T=2)  # [2, 2, NP, D]
+    own, _ = host.context(feats, instr, host.init_state(2))
+    for k in (1, 2):
+        ctx = bench.KFrameContext(host, k)
+        with torch.no_grad():
+            ctx.frame_embed.zero_()
+        buf = ctx.init_buffer(2, feats.shape[2], "cpu")
+        for t in range(2):
+            out = ctx.step(feats[:, t], instr, buf, t)["tokens"]  # [2, k NP + 1, D]
+        NP = feats.shape[2]
+        assert torch.equal(out[:, -1], own["tokens"][:, 1, -1])  # the instruction token, once
+        slot = 1 % k  # frame 1 is in slot 1 mod k
+        assert torch.allclose(out[:, slot * NP:(slot + 1) * NP], own["tokens"][:, 1, :NP], atol=1e-6)
+        if k == 2:
+            assert torch.allclose(out[:, :NP], own["tokens"][:, 0, :NP], atol=1e-6)
+
+
 def test_gradcheck_float64_both_paths():
     for N, wood in ((3, True), (3, False), (9, False)):
         S, K, V, w, gamma = rand_frame(2, N=N, dk=5, dv=3, seed=17)
