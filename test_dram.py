@@ -758,6 +758,66 @@ def test_frozen_backbone_untouched_by_training(kind, ws):
     assert all(id(p) not in {id(q) for q in host.tower.parameters()} for p in host.trainable_parameters())
 
 
+class OracleHead(hosts.FlowHead):
+    """The exact velocity field of eq. (fm)'s straight paths to a known chunk a0: v(a_tau, tau) = (a_tau - a0) / tau,
+    which equals the target u = eps - a0 along the path a_tau = (1 - tau) a0 + tau eps."""
+
+    def __init__(self, a0):
+        super().__init__()
+        self.a0 = a0
+
+    def velocity(self, a_tau, tau, ctx, state_vec, instr):
+        return (a_tau - self.a0) / tau[:, None, None]
+
+
+def test_flow_matching_convention_and_masked_loss():
+    """tau = 1 is noise, tau = 0 data: Euler from the noise with the exact velocity lands on the data chunk for any
+    step count (straight paths), and the loss of the exact velocity is zero. The per-frame loss is the mean over
+    the valid actions only: a closed form on the same (tau, eps) draws, unchanged by the values of masked actions."""
+    g = torch.Generator().manual_seed(0)
+    a0, noise = torch.randn(3, 4, 2, generator=g), torch.randn(3, 4, 2, generator=g)
+    for steps in (1, 4, 10):
+        assert (OracleHead(a0).sample(None, None, None, noise, steps) - a0).abs().max() < 1e-5
+    mask = torch.tensor([[True] * 4, [True, True, False, False], [True] + [False] * 3])
+    torch.manual_seed(1)
+    assert OracleHead(a0).fm_loss(None, None, None, a0, mask).abs().max() < 1e-10
+    zero = OracleHead(a0)
+    zero.velocity = lambda a_tau, tau, *rest: torch.zeros_like(a_tau)
+    torch.manual_seed(2)
+    loss = zero.fm_loss(None, None, None, a0, mask)  # [3]
+    torch.manual_seed(2)
+    hosts.sample_tau(3, torch.device("cpu"))  # the same draws as fm_loss: tau, then eps
+    eps = torch.randn_like(a0)
+    expect = [((eps - a0)[f][mask[f]] ** 2).mean() for f in range(3)]
+    torch.testing.assert_close(loss, torch.stack(expect))
+    moved = a0.clone()
+    moved[~mask] += 100.0  # actions past the episode end
+    torch.manual_seed(2)
+    torch.testing.assert_close(zero.fm_loss(None, None, None, moved, mask), loss)
+
+
+def test_vla_memory_layers_align_with_backbone_layers():
+    """Separate-source host (appendix): memory layer l writes from backbone layer l, and expert layer l reads prefix
+    l. Perturbing only the last backbone layer's features of frame t leaves frame t + 1's first prefix as it is and
+    changes its last one; perturbing only prefix 0 changes the expert's velocity."""
+    host = perturb(tiny_host("vla", "hidden"))  # 2 backbone layers, 2 memory layers
+    feats, instr, b = random_window(host, T=2)
+    L = host.cfg.vla_layers
+    ctx, _ = host.context(feats, instr, host.init_state(2))
+    last = feats.clone().view(2, 2, L, 3, -1, feats.shape[-1])  # [B, T, L, 3, n, D]
+    last[:, 0, L - 1] += torch.randn_like(last[:, 0, L - 1])
+    ctx2, _ = host.context(last.view_as(feats), instr, host.init_state(2))
+    assert torch.equal(ctx2["prefix"][:, 1, 0], ctx["prefix"][:, 1, 0])
+    assert (ctx2["prefix"][:, 1, L - 1] - ctx["prefix"][:, 1, L - 1]).abs().max() > 1e-4
+    one = {k: v[:, 1] for k, v in ctx.items()}  # frame 1's context
+    a = torch.randn(2, host.cfg.chunk, host.cfg.action_dim)
+    tau = torch.full((2,), 0.5)
+    v = host.head.velocity(a, tau, one, b["state_vec"][:, 1], instr)
+    bumped = dict(one, prefix=one["prefix"].clone())
+    bumped["prefix"][:, 0] += 1.0
+    assert (host.head.velocity(a, tau, bumped, b["state_vec"][:, 1], instr) - v).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("kind,ws", HOST_KINDS)
 def test_host_causality(kind, ws):
     """Frame t's conditioning never depends on later frames; stepping frame by frame gives the window's context. For
