@@ -529,6 +529,7 @@ class VLAHost(Host):
         p = vit._pos_embed(vit.patch_embed(self.tower.preprocess(x)))[:, vit.num_prefix_tokens :]  # [B n_cam, P, D]
         B = p.shape[0] // len(self.cfg.cameras)
         h = torch.cat([self.text_token(instr)[:, None].to(p.dtype), p.reshape(B, -1, self.D)], 1)  # [B, n, D]
+        h = vit.norm_pre(h)  # as timm's forward_features before the blocks (a LayerNorm in CLIP-style towers)
         feats = []
         for blk in vit.blocks[: self.cfg.vla_layers]:
             qkv = []

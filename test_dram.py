@@ -887,6 +887,34 @@ def test_vla_text_token_is_a_function_of_the_string():
     assert "text_table" not in a.state_dict()  # rebuilt from the config, not stored in checkpoints
 
 
+def test_vla_encode_runs_the_backbone_blocks():
+    """The separate-source host's frozen features: [instruction | patches] through norm_pre (a LayerNorm in CLIP-style
+    towers; made one here with random affine) and then blocks 1..L; per layer the native keys / values of the
+    block's own qkv projection (of its input) and its hidden output, recomputed by hand."""
+    host = tiny_host("vla", "native_kv")
+    vit = host.tower.model
+    D, L = host.D, host.cfg.vla_layers
+    vit.norm_pre = torch.nn.LayerNorm(D)
+    with torch.no_grad():
+        vit.norm_pre.weight.normal_(1.0, 0.3)
+        vit.norm_pre.bias.normal_(0.0, 0.3)
+    g = torch.Generator().manual_seed(4)
+    imgs = {c: torch.randint(0, 256, (2, 32, 32, 3), generator=g, dtype=torch.uint8) for c in host.cfg.cameras}
+    instr = torch.tensor([1, 0])
+    feats = host.encode(imgs, instr)
+    with torch.no_grad():
+        x = hosts.stack_cameras(imgs, host.cfg.cameras, "cpu")  # [B n_cam, H, W, 3]
+        p = vit._pos_embed(vit.patch_embed(host.tower.preprocess(x)))[:, vit.num_prefix_tokens:]  # [B n_cam, P, D]
+        h = vit.norm_pre(torch.cat([host.text_token(instr)[:, None], p.reshape(2, -1, D)], 1))  # [B, n, D]
+        feats = feats.view(2, L, 3, h.shape[1], D)
+        for l in range(L):
+            blk = vit.blocks[l]
+            _, k, v = blk.attn.qkv(blk.norm1(h)).chunk(3, -1)
+            h = blk(h)
+            for i, want in enumerate((k, v, h)):
+                torch.testing.assert_close(feats[:, l, i], want)
+
+
 def test_memory_prefix_keys_are_not_rotated():
     """pi0.5 host: the memory prefix slots carry the reserved position -1 and their keys are not rotated, while the
     expert's own tokens (and the backbone keys) keep their positions; checked against a manual computation."""
