@@ -4,6 +4,7 @@ independent computation; float64 wherever the paper claims exactness.
 
 Run: python -m pytest -q
 """
+import argparse
 import dataclasses
 import functools
 import hashlib
@@ -1090,6 +1091,9 @@ def test_stats_normalize_roundtrip_and_checkpoint():
     np.testing.assert_allclose(st["state_mean"], allx.mean(0), rtol=1e-5)
     np.testing.assert_allclose(st["state_std"][:7], allx.std(0)[:7], rtol=1e-5)
     assert st["state_std"][7] == pytest.approx(1e-2)  # floored, not 0
+    alla = np.concatenate(actions)  # pooled over all frames (not a mean of per-episode means)
+    np.testing.assert_allclose(st["action_mean"], alla.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st["action_std"], alla.std(0), rtol=1e-5)
     z = data.normalize(actions[0].astype(np.float32), st, "action")
     np.testing.assert_allclose(z.mean(0) * 5, ((actions[0] - st["action_mean"]) / st["action_std"]).sum(0), rtol=1e-4)
     np.testing.assert_allclose(data.unnormalize(z, st, "action"), actions[0], atol=1e-5)
@@ -1351,6 +1355,13 @@ def test_memory_env_failures():
         assert done and not success, (armed_count, distractor)  # a second counted touch / the distractor ends it
         if not distractor:
             assert env.count == 2
+    for task, n in (("count_2", 2), ("count_3", 3)):  # pressing the pad succeeds after exactly n counted touches
+        for count in range(n + 1):
+            env = data.MemoryEnv(task)
+            env.reset(seed=0)
+            env.pos, env.count = env.home.copy(), count
+            _, success, done = env.step([0, 0, 1])
+            assert done and success == (count == n), (task, count)
     env = data.MemoryEnv("cue_location")
     env.reset(seed=0)
     env.pos = env.objs[(env.cue + 1) % 3].copy()  # stand next to a wrong block
@@ -1817,7 +1828,7 @@ def test_feature_cache_key_separates_what_encode_depends_on():
 
     hosts = [tiny_host("dit"), variant("dit", mem_heads=4, d_model=64), variant("dit", memory="none"),
              variant("dit", image_size=48), tiny_host("vla"), variant("vla", vla_layers=1),
-             variant("vla", write_source="native_kv", mem_depth=1)]
+             variant("vla", write_source="native_kv", mem_depth=1), tiny_host("dit", seed=1)]  # other tower weights
     with torch.no_grad():
         feats = [h.encode(imgs, torch.tensor([0, 1])) for h in hosts]
     for i in range(len(hosts)):
@@ -2028,6 +2039,33 @@ def test_graphed_train_step_replays_like_the_eager_step(kind):
     assert all(st["step"].item() == 4 for st in opt1.state.values())  # four steps, not four + warm-up + capture
 
 
+def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
+    """Sec. 3.4: a stream's carried state enters its next window, except where that window starts an episode
+    (reset True), whose rows start from S_0 = 0; the returned state is detached."""
+    host = perturb(tiny_host("dit"))
+    batch = train_windows(host)[0]  # reset = [False, True]
+    state = 0.3 * torch.randn(host.init_state(2).shape, generator=torch.Generator().manual_seed(5))
+    seen, real = [], host.loss
+
+    def spy(tokens, instr, S, *a, **k):
+        seen.append(S.clone())
+        return real(tokens, instr, S, *a, **k)
+
+    host.loss = spy
+    params = host.trainable_parameters()
+    _, _, new = train.train_step(host, torch.optim.AdamW(params, lr=1e-3), params, batch, state, 1.0)
+    assert torch.equal(seen[0][0], state[0]) and seen[0][1].abs().sum() == 0
+    assert not new.requires_grad and (new[0] - state[0]).abs().max() > 0
+
+
+def test_lr_schedule():
+    """Linear warm-up from lr / warmup (never 0) to lr, then cosine decay to 10 % of lr at the last step."""
+    a = argparse.Namespace(lr=2e-3, warmup=10, steps=110)
+    assert train.lr_at(0, a) == pytest.approx(2e-4) and train.lr_at(9, a) == pytest.approx(2e-3)
+    assert train.lr_at(60, a) == pytest.approx(2e-3 * (0.1 + 0.9 * 0.5))  # half-way through the decay
+    assert train.lr_at(110, a) == pytest.approx(2e-4)
+
+
 def assert_trained_alike(w1, w0, w_init):
     """Two GPU training runs that should be the same up to the GPU's nondeterminism (bf16; attention backward
     kernels accumulate with atomics): Adam turns a flipped sign of a near-zero gradient into a whole step, so the
@@ -2103,6 +2141,60 @@ class CountingHost:
     def sample(self, *a, **k):
         self.samples += 1
         return self._sample(*a, **k)
+
+
+def test_checkpoint_policy_normalises_state_and_plays_its_chunk_in_order(trained):
+    """The policy hands the host the state normalised with the checkpoint's statistics, and returns the chunk's
+    actions one per call in order (a_t, a_t+1, ...), unnormalised: here a stub action expert returns the chunk
+    whose c-th action is c (in normalised units)."""
+    _, ck = trained
+    pol = ev.CheckpointPolicy(ck, replan=3)
+    C, Da = pol.host.cfg.chunk, pol.host.cfg.action_dim
+    seen = []
+
+    def sample(ctx, s, ids, noise=None):
+        seen.append(s.clone())
+        return torch.arange(C, dtype=torch.float32)[None, :, None].expand(len(s), C, Da).clone()  # [n, C, Da]
+
+    pol.host.sample = sample
+    env = ev.MemorySuiteEnv(0, seed=5)
+    obs = env.reset(0)
+    frame = data.policy_frame(obs)
+    pol.reset(np.array([True]))
+    out = [pol.act([frame], [env.instruction])[0] for _ in range(7)]
+    st = pol.stats
+    np.testing.assert_allclose(seen[0][0].numpy(), (frame[1] - st["state_mean"]) / st["state_std"], rtol=1e-5,
+                               atol=1e-6)
+    for t, a in enumerate(out):  # replan 3: chunk positions 0, 1, 2, 0, 1, 2, 0
+        np.testing.assert_allclose(a, (t % 3) * st["action_std"] + st["action_mean"], rtol=1e-5, atol=1e-6)
+
+
+def test_memory_suite_evaluation_layouts():
+    """Evaluation trial k of task i uses layout seed [seed, i, k] (eval.py's seed, 1000+ by default): another seed
+    gives other layouts than the demonstrations' (seed 0)."""
+    for seed in (0, 1000):
+        obs = ev.MemorySuiteEnv(2, seed=seed).reset(1)
+        ref = data.MemoryEnv(ev.MEMORY_TASK_NAMES[2]).reset(seed=[seed, 2, 1])
+        assert np.array_equal(obs["agentview_rgb"], ref["agentview_rgb"])
+    assert not np.array_equal(ev.MemorySuiteEnv(2, seed=0).reset(1)["agentview_rgb"],
+                              ev.MemorySuiteEnv(2, seed=1000).reset(1)["agentview_rgb"])
+
+
+def test_episode_success_is_the_envs_success_not_its_end():
+    """Envs that end on failure return (obs, success, done): an episode that ends unsuccessfully logs success False;
+    LIBERO envs return (obs, done) with done = success. And the protocol's step limits (openpi)."""
+
+    class EndsBadly(ToyEnv):
+        def step(self, action):
+            obs, _ = super().step(action)
+            return obs, False, self.t == 2  # ends at step 2, unsuccessfully
+
+    recs = ev.run_episodes(ev.EnvSlots(lambda t: EndsBadly(t), 1), RecordingPolicy(), [(0, 0)], frame_fn=identity)
+    assert recs[0]["steps"] == 2 and recs[0]["success"] is False
+    recs = ev.run_episodes(ev.EnvSlots(toy_make, 1), RecordingPolicy(), [(0, 0)], frame_fn=identity)
+    assert recs[0]["steps"] == 3 and recs[0]["success"] is True  # ToyEnv: (obs, done), done at step 3
+    assert ev.LIBERO_MAX_STEPS == dict(libero_spatial=220, libero_object=280, libero_goal=300, libero_10=520,
+                                       libero_90=400)
 
 
 def test_checkpoint_policy_deployment_semantics(trained):
