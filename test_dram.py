@@ -1150,8 +1150,12 @@ def test_sampler_resume_exact():
         for k in ("episode", "start", "reset"):
             assert np.array_equal(a[k], b[k])
         assert a["epoch"] == b["epoch"]
-    with pytest.raises(ValueError, match="batch size"):
-        data.StreamSampler(lengths, 4, 3, seed=7).load_state_dict(sd)
+    others = {"B": data.StreamSampler(lengths, 4, 3, seed=7), "T": data.StreamSampler(lengths, 2, 4, seed=7),
+              "seed": data.StreamSampler(lengths, 2, 3, seed=8),
+              "lengths_sha": data.StreamSampler(lengths[:-1] + [3], 2, 3, seed=7)}  # same count, other data
+    for key, other in others.items():  # each mismatch is refused, naming the setting
+        with pytest.raises(ValueError, match=rf"sampler state does not match this run: {key} = "):
+            other.load_state_dict(sd)
 
 
 def _synthetic_episodes(rng, lengths, n_tok=2, D=3, Da=2):
@@ -1246,6 +1250,13 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
     assert enc.calls > calls and [len(e.tokens) for e in eps2] == [4]
     np.testing.assert_array_equal(eps2[0].tokens[:, 0], new[0]["agentview_rgb"][:, -1, -1].astype(np.float16))
     assert len(list((cache / "fake_8px").iterdir())) == 1
+    # rewritten with the same number of frames (same length, other pixels): the modification time tells
+    same = [make_demo(rng, 4)]
+    write_libero(p, same)
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10 ** 9))
+    eps3 = data.build_feature_cache([p], enc, "fake_8px", cache, progress=False)
+    np.testing.assert_array_equal(eps3[0].tokens[:, 0], same[0]["agentview_rgb"][:, -1, -1].astype(np.float16))
     # an encoding interrupted part-way (an error, Ctrl-C) leaves no half-written folder behind
     def interrupted(images):
         raise KeyboardInterrupt
@@ -1876,6 +1887,8 @@ def test_resume_is_exact(tmp_path):
     # a given setting that would not continue the saved run is refused, naming the flag
     with pytest.raises(ValueError, match="trained with --mem-heads 2, this run asks for 4"):
         tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--mem-heads", "4")
+    with pytest.raises(ValueError, match="trained with --batch 4, this run asks for 8"):
+        tiny_train(tmp_path, "b", "--steps", "12", "--resume", "--batch", "8")
     # the schedule may change: train on to more steps with another weight decay
     wd = torch.load(tiny_train(tmp_path, "b", "--steps", "11", "--resume", "--weight-decay", "0.5"),
                     weights_only=False)["optimizer"]["param_groups"]
@@ -2124,6 +2137,12 @@ def test_ddp_two_processes_gloo(tmp_path):
     # the two ranks walked disjoint episode sets
     n = len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"])
     assert n == 12 and ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]
+    demos = [d for f in data.find_demo_files(tmp_path / "data", "memory", generate=False)
+             for d in data.read_demo_file(f, images=False)[1]]
+    assert sum(s["n_episodes"] for s in ck["sampler"]) == len(demos)  # the two shares cover every episode once
+    pooled = data.compute_stats([d.state for d in demos], [d.actions for d in demos])  # all ranks' episodes
+    for k, v in pooled.items():
+        np.testing.assert_allclose(np.asarray(ck["stats"][k]), v, rtol=1e-5, atol=1e-6)
 
 
 class CountingHost:
@@ -2223,6 +2242,9 @@ def test_checkpoint_policy_deployment_semantics(trained):
             assert pol.state.abs().sum() == 0
         pol.act([data.policy_frame(obs)], [env.instruction])
     assert count.samples - n0 == 3  # frames 0, 3, 6 as without the resets
+    for bad in (0, pol.host.cfg.chunk + 1):
+        with pytest.raises(ValueError, match=rf"--replan {bad} must be in \[1, chunk = {pol.host.cfg.chunk}\]"):
+            ev.CheckpointPolicy(ck, replan=bad)
     with pytest.raises(KeyError, match="unknown to this checkpoint.*fold the towel"):
         pol.act([data.policy_frame(obs)], ["fold the towel"])
 
