@@ -142,7 +142,7 @@ def resume_args(a, saved, given, path):
             setattr(a, k, v)
         elif getattr(a, k) != v and k in RESUME_SCHEDULE:
             if int(os.environ.get("RANK", 0)) == 0:
-                    print(f"--resume: --{k.replace('_', '-')} {getattr(a, k)} (the saved run had {v})")
+                print(f"--resume: --{k.replace('_', '-')} {getattr(a, k)} (the saved run had {v})")
         elif getattr(a, k) != v:
             raise ValueError(f"--resume: {path} was trained with --{k.replace('_', '-')} {v!r}, this run asks for "
                              f"{getattr(a, k)!r}; leave the flag out to continue the saved run, or train a new run "
@@ -413,9 +413,10 @@ def main(argv=None):
     if world > 1:
         dist.barrier()
     episodes = build_episodes(host, files, a, rank)
-    fd = data.FrameData(episodes, stats=None if ck is None else ck["stats"], vocab=vocab)
-    if world > 1:  # each rank its own episodes and streams, normalised with the statistics of all of them
-        fd = data.FrameData(episodes[rank::world], stats=fd.stats, vocab=vocab)
+    # normalisation statistics of all episodes (also under DDP), then each rank its own episodes and streams
+    stats = ck["stats"] if ck is not None else data.compute_stats([e.state for e in episodes],
+                                                                  [e.actions for e in episodes])
+    fd = data.FrameData(episodes[rank::world], stats=stats, vocab=vocab)
     sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
 
     params = host.trainable_parameters()
