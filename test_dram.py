@@ -1923,6 +1923,9 @@ def test_memory_lr_multiplier(tmp_path):
     assert all(torch.equal(ck["model"][k], init[k]) for k in mem)
     assert not all(torch.equal(ck["model"][k], init[k]) for k in rest)
     assert sorted(g["lr_mult"] for g in ck["optimizer"]["param_groups"]) == [0.0, 0.0, 1.0, 1.0]
+    for g in ck["optimizer"]["param_groups"]:  # weight decay on the weight matrices only, not biases / norms
+        for i in g["params"]:
+            assert (ck["optimizer"]["state"][i]["exp_avg"].dim() >= 2) == (g["weight_decay"] > 0), g
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
 
 
@@ -2069,6 +2072,11 @@ def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
     _, _, new = train.train_step(host, torch.optim.AdamW(params, lr=1e-3), params, batch, state, 1.0)
     assert torch.equal(seen[0][0], state[0]) and seen[0][1].abs().sum() == 0
     assert not new.requires_grad and (new[0] - state[0]).abs().max() > 0
+    # the gradients AdamW stepped with were clipped to the global norm `clip` (they stay in .grad)
+    raw = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).norm()
+    train.train_step(host, torch.optim.AdamW(params, lr=1e-3), params, batch, state, 0.01 * float(raw))
+    clipped = torch.cat([p.grad.flatten() for p in params if p.grad is not None]).norm()
+    assert float(clipped) == pytest.approx(0.01 * float(raw), rel=1e-3)
 
 
 def test_lr_schedule():
