@@ -1,11 +1,11 @@
 """
 Closed-loop evaluation: LIBERO simulator rollouts with the openpi / LeRobot protocol (paper Sec. 4.1-4.4) and the
-memory reset-interval ablation of Figure 3.
+memory reset-interval ablation (the paper's reset-interval figure, fig:reset).
 
   python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --ckpt runs/dit-none-memory/ckpt.pt   # embedded suite
   python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --reset-every 8                         # reset ablation
   python eval.py --suite libero_10 --ckpt runs/dit-dram-libero_10/ckpt.pt --replan 5 --num-envs 4
-  python eval.py --suite libero_10 --ckpt CKPT --reset-every 32                              # Figure 3, L = 32
+  python eval.py --suite libero_10 --ckpt CKPT --reset-every 32                              # reset ablation, L = 32
   python eval.py --suite libero_10 --policy zero --tasks 0 --trials 1 --max-steps 20         # simulator smoke test
 
 Deployment semantics (Sec. 3.4, "Recurrent unrolling"): memory resets at the start of every episode; every new
@@ -32,8 +32,10 @@ does not see, then at most LIBERO_MAX_STEPS[suite] policy steps; success = `done
 Images are rendered at --image-size (default 128 = the demos' resolution), so the policy receives pixels made the
 same way as its training frames; any further resize is the policy's own preprocessing, shared with training.
 
-Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds),
-summary.json, results.md (the markdown table that is also printed), videos/ with --video (needs imageio).
+Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds); for
+LIBERO also summary.json, results.md (the markdown table that is also printed), videos/ with --video (needs
+imageio). The embedded suite prints its table and logs next to each checkpoint (<ckpt dir>/eval_memory_L<L>) unless
+--out is given.
 """
 import argparse
 import functools
@@ -278,7 +280,7 @@ def memory_reset_rows(frame, reset_every=0):
 
     frame = index of the observation within its episode among those the policy sees (0 = the first one, after
     the wait steps). Frame 0 always resets (episode start, Sec. 3.4). With reset_every = L > 0, frames
-    L, 2L, 3L, ... reset too, so the memory integrates exactly the frames [kL, (k+1)L) (Figure 3's "resetting all
+    L, 2L, 3L, ... reset too, so the memory integrates exactly the frames [kL, (k+1)L) (the paper's "resetting all
     memory states every L observation-frame updates"). L = 0 resets only between episodes (full memory).
     """
     frame = np.asarray(frame)
@@ -417,10 +419,10 @@ class CheckpointPolicy:
     """A train.py checkpoint as a policy (config, normalisation statistics and vocabulary come from it).
 
     Deployment semantics (Sec. 3.4): every act() call is exactly one memory read-write transition; the action
-    expert denoises a new chunk only every `replan` observations (a memory reset of a row also starts a new chunk
-    for it); the memory persists across chunks. Actions come out un-normalised with the training statistics.
-    On a GPU the control step runs as CUDA graphs (GraphedControlStep) where the host allows it (Host.cuda_graphs;
-    the DiT host) unless cuda_graphs=False."""
+    expert denoises a new chunk only every `replan` observations (a new episode also starts a new chunk; a
+    --reset-every reset does not); the memory persists across chunks. Actions come out un-normalised with the
+    training statistics. On a GPU the control step runs as CUDA graphs (GraphedControlStep) where the host allows
+    it (Host.cuda_graphs; the DiT host) unless cuda_graphs=False."""
 
     def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
         from train import load_checkpoint  # the checkpoint format lives with the trainer
@@ -505,9 +507,9 @@ def make_memory_env(task_id, seed, img_size=64):
 def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_every=0, replan=1, num_envs=16,
                           out=None, tasks=None, cuda_graphs=True):
     """Embedded suite: success per task and suite mean of each checkpoint, side by side with the best success
-    any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds default to 1000+, disjoint from the
-    demonstrations' (0). Logs go to `out` (one sub-folder per checkpoint when there are several), by default next
-    to each checkpoint. Returns {ckpt: summary}."""
+    any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds [seed, task, trial] with seed != 0 are
+    disjoint from the demonstrations' ([0, task, i]; eval.py's --seed defaults to 7). Logs go to `out` (one
+    sub-folder per checkpoint when there are several), by default next to each checkpoint. Returns {ckpt: summary}."""
     ids = list(range(len(MEMORY_TASK_NAMES))) if tasks is None else list(tasks)
     task_list = [(i, MEMORY_TASK_NAMES[i], data.MEMORY_TASKS[MEMORY_TASK_NAMES[i]][1]) for i in ids]
     summaries = {}
@@ -676,7 +678,7 @@ def get_args(argv=None):
                    f"value {LIBERO_MAX_STEPS})")
     p.add_argument("--seed", type=int, default=7, help="env.seed(seed) of every environment (openpi: 7)")
     p.add_argument("--reset-every", type=int, default=0, help="clear all memory every L observation frames "
-                   "(Figure 3; 0 = only between episodes)")
+                   "(the reset-interval ablation; 0 = only between episodes)")
     p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (>1: worker processes)")
     p.add_argument("--image-size", type=int, default=128, help="render size; must match the training frames")
     p.add_argument("--ckpt", action="append", default=None, help="train.py checkpoint (give it twice to compare "
@@ -687,7 +689,8 @@ def get_args(argv=None):
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
                    "step eagerly instead of replaying CUDA graphs (for debugging; same actions, slower)")
     p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy without --ckpt")
-    p.add_argument("--out", default=None, help="output folder (default runs/eval/<suites>_<policy>_L<reset>)")
+    p.add_argument("--out", default=None, help="output folder (default: LIBERO runs/eval/<suites>_<policy>_L<reset>; "
+                   "embedded suite <ckpt dir>/eval_memory_L<reset>)")
     p.add_argument("--video", action="store_true", help="write an mp4 per episode (needs imageio)")
     args = p.parse_args(argv)
     for name in ("trials", "num_envs", "image_size"):
