@@ -484,8 +484,9 @@ def host_sizes(args, device):
 def make_dit(size, memory, device):
     """The DiT host in the host's default configuration (mem depth 2 as train.py uses on LIBERO, 4 heads, dk = dv = 32,
     head width 128, 4 blocks; action chunk 10 at the libero size, 4 at the embedded one; the gr00t size overrides the
-    head's and memory's sizes), random tower weights (timing does not depend on them). A trained-looking memory: f_O is zero at initialisation (exact
-    identity), here small random so that reads reach the head and gradients flow."""
+    head's and memory's sizes), random tower weights (timing does not depend on them). A trained-looking memory:
+    f_O is zero at initialisation (exact identity), here small random so that reads reach the head and gradients
+    flow."""
     cfg = HostConfig(**(dict(memory=memory, chunk=DEFAULTS["chunk"], vocab=("bench instruction",), pretrained=False)
                         | HOST_SIZES[size]))
     host = make_host("dit", cfg).to(device)
