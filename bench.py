@@ -40,7 +40,7 @@ import torch.utils.benchmark as benchmark
 import dram
 from dram import DRAMConfig, DRAMLayer, joint_write, sequential_delta_write, write_weights
 from hosts import HostConfig, capture_cuda_graph, make_host
-from train import DEFAULTS, LIBERO_CHUNK, GraphedTrainStep, train_step
+from train import DEFAULTS, LIBERO_CHUNK, GraphedTrainStep, make_optimizer, parser, train_step
 
 # ----------------------------------------------------------------------------------------------------------
 # Timing, machine description, report
@@ -714,10 +714,11 @@ def make_train_step(host, opt, B, T, device, g, images=None, graphs=False):
 
 
 def adamw(host, capturable=False):
-    """AdamW with train.py's betas; capturable: its step count and lr on the device, as --cuda-graphs sets them."""
-    lr = torch.tensor(1e-4, device=host.tower.mean.device) if capturable else 1e-4
-    return torch.optim.AdamW(host.trainable_parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
-                             capturable=capturable)
+    """train.py's optimizer at train.py's defaults (train.make_optimizer: AdamW in four groups, weight decay on the
+    weight matrices, the memory at --mem-lr-mult); capturable: its step count and lr on the device (--cuda-graphs)."""
+    p = parser()
+    return make_optimizer(host, DEFAULTS["lr"], p.get_default("weight_decay"), p.get_default("mem_lr_mult"),
+                          capturable)
 
 
 def saved_tensor_bytes(fn, params):

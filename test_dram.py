@@ -1576,6 +1576,36 @@ def test_reset_schedule_per_row(L):
     assert policy.starts == len(episodes)  # new_episode marks each episode's first frame once, whatever L is
 
 
+
+def test_video_frames_are_upright():
+    """--video writes what a person would see: each frame is the embedded env's upright render (MemoryEnv.render,
+    independent of the raw obs, which is upside down like LIBERO's) at the instant the policy acted on it."""
+
+    class Tapped(ev.MemorySuiteEnv):
+        def reset(self, trial):
+            obs = super().reset(trial)
+            self.upright = [self.env.render()[0]]
+            return obs
+
+        def step(self, action):
+            out = super().step(action)
+            self.upright.append(self.env.render()[0])
+            return out
+
+    envs, videos = [], []
+
+    def make(task_id):
+        envs.append(Tapped(task_id, seed=5))
+        return envs[-1]
+
+    recs = ev.run_episodes(ev.EnvSlots(make, 1), ev.RandomPolicy(seed=1), [(0, 0)],
+                           on_done=lambda rec, frames: videos.append(frames), video=True)
+    frames, upright = videos[0], envs[0].upright
+    assert len(frames) == recs[0]["steps"] == len(upright) - 1  # one frame per policy step (not the final obs)
+    assert not np.array_equal(upright[0], upright[0][::-1, ::-1])  # the test would not see a missing rotation
+    for f, u in zip(frames, upright):
+        np.testing.assert_array_equal(f, u)
+
 def test_memory_reset_rows_frames():
     f = np.arange(20)
     np.testing.assert_array_equal(np.flatnonzero(ev.memory_reset_rows(f, 0)), [0])
@@ -1928,6 +1958,24 @@ def test_memory_lr_multiplier(tmp_path):
             assert (ck["optimizer"]["state"][i]["exp_avg"].dim() >= 2) == (g["weight_decay"] > 0), g
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
 
+
+
+@pytest.mark.parametrize("memory", ["dram", "none"])
+def test_bench_trains_with_train_py_optimizer(memory):
+    """bench.py part 4 times train.py's optimizer: every trainable parameter once, weight decay (train.py's default
+    0.01) on the weight matrices only, the memory's parameters at --mem-lr-mult's default, the rest at 1x."""
+    import bench
+    host = tiny_host("dit", memory=memory)
+    opt = bench.adamw(host)
+    defaults = train.parser().parse_args([])
+    mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in host.trainable_parameters())
+    for g in opt.param_groups:
+        for p in g["params"]:
+            assert g["weight_decay"] == (defaults.weight_decay if p.dim() >= 2 else 0.0)
+            assert g["lr_mult"] == (defaults.mem_lr_mult if id(p) in mem else 1.0)
+    assert len(opt.param_groups) == (4 if mem else 2) and opt.defaults["betas"] == (0.9, 0.95)
 
 def readme_commands(script):
     """The argument lists of every `python SCRIPT.py ...` line in README's code blocks (comments, `&&` tails and

@@ -294,6 +294,33 @@ class GraphedTrainStep:
         return self.loss, self.n, self.state
 
 
+def make_optimizer(host, lr, weight_decay, mem_lr_mult, capturable=False):
+    """AdamW (betas 0.9, 0.95) over the host's trainable parameters in four groups: weight decay on the weight
+    matrices only (not biases, norms, embeddings' 1-d parameters), and the memory's own parameters (DRAM layers:
+    projections, gates, fuse) at mem_lr_mult x the scheduled lr, everything else (adapters, embeddings, action
+    head) at 1 x. Each group's `lr_mult` is what set_lr multiplies; empty groups are left out (--memory none).
+    bench.py's training step uses the same optimizer."""
+    params = host.trainable_parameters()
+    mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
+    groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
+                   weight_decay=weight_decay if is_matrix else 0.0, lr_mult=mem_lr_mult if is_mem else 1.0)
+              for is_mem in (False, True) for is_matrix in (True, False)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    set_capturable(opt, capturable, next(iter(params)).device)
+    return opt
+
+
+def set_capturable(opt, capturable, device):
+    """A graphed step (--cuda-graphs) reads lr and AdamW's step count from device tensors (capturable=True;
+    set_lr fills the lr in place); an eager step takes Python floats. Also converts a resumed optimizer made the
+    other way."""
+    for g in opt.param_groups:
+        g["capturable"] = capturable
+        g["lr"] = torch.tensor(float(g["lr"]), device=device) if capturable else float(g["lr"])
+    for st in opt.state.values():
+        st["step"] = st["step"].to(device if capturable else "cpu", torch.float32)
+
+
 def set_lr(opt, lr):
     """Scheduled lr x each group's multiplier. A graphed step reads lr from a device tensor (filled in place)."""
     for g in opt.param_groups:
@@ -420,15 +447,7 @@ def main(argv=None):
     sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
 
     params = host.trainable_parameters()
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    # the memory's own parameters (DRAM layers: projections, gates, fuse) may take a multiple of the peak lr
-    # (--mem-lr-mult); everything else (adapters, embeddings, action head) takes --lr
-    mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
-    groups = [dict(params=[p for p in ps if (id(p) in mem) == is_mem], weight_decay=wd,
-                   lr_mult=a.mem_lr_mult if is_mem else 1.0)
-              for is_mem in (False, True) for ps, wd in ((decay, a.weight_decay), (no_decay, 0.0))]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=a.lr, betas=(0.9, 0.95))
+    opt = make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
     mem_state = host.init_state(a.batch, dev)
     step = 0
     if ck is not None:
@@ -448,12 +467,7 @@ def main(argv=None):
         step = ck["step"]
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
-    # a graphed step reads lr and AdamW's step count from the device (also when resuming a run made the other way)
-    for g in opt.param_groups:
-        g["capturable"] = a.cuda_graphs
-        g["lr"] = torch.tensor(float(g["lr"]), device=dev) if a.cuda_graphs else float(g["lr"])
-    for st in opt.state.values():
-        st["step"] = st["step"].to(dev if a.cuda_graphs else "cpu", torch.float32)
+    set_capturable(opt, a.cuda_graphs, dev)  # also when resuming a run made the other way
 
     def checkpoint():
         """Every rank contributes its sampler position, memory state and RNG; rank 0 writes."""
