@@ -1576,7 +1576,6 @@ def test_reset_schedule_per_row(L):
     assert policy.starts == len(episodes)  # new_episode marks each episode's first frame once, whatever L is
 
 
-
 def test_video_frames_are_upright():
     """--video writes what a person would see: each frame is the embedded env's upright render (MemoryEnv.render,
     independent of the raw obs, which is upside down like LIBERO's) at the instant the policy acted on it."""
@@ -1605,6 +1604,7 @@ def test_video_frames_are_upright():
     assert not np.array_equal(upright[0], upright[0][::-1, ::-1])  # the test would not see a missing rotation
     for f, u in zip(frames, upright):
         np.testing.assert_array_equal(f, u)
+
 
 def test_memory_reset_rows_frames():
     f = np.arange(20)
@@ -1959,7 +1959,6 @@ def test_memory_lr_multiplier(tmp_path):
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
 
 
-
 @pytest.mark.parametrize("memory", ["dram", "none"])
 def test_bench_trains_with_train_py_optimizer(memory):
     """bench.py part 4 times train.py's optimizer: every trainable parameter once, weight decay (train.py's default
@@ -1976,6 +1975,7 @@ def test_bench_trains_with_train_py_optimizer(memory):
             assert g["weight_decay"] == (defaults.weight_decay if p.dim() >= 2 else 0.0)
             assert g["lr_mult"] == (defaults.mem_lr_mult if id(p) in mem else 1.0)
     assert len(opt.param_groups) == (4 if mem else 2) and opt.defaults["betas"] == (0.9, 0.95)
+
 
 def readme_commands(script):
     """The argument lists of every `python SCRIPT.py ...` line in README's code blocks (comments, `&&` tails and

@@ -296,7 +296,7 @@ class GraphedTrainStep:
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult, capturable=False):
     """AdamW (betas 0.9, 0.95) over the host's trainable parameters in four groups: weight decay on the weight
-    matrices only (not biases, norms, embeddings' 1-d parameters), and the memory's own parameters (DRAM layers:
+    matrices only (2 or more dimensions; not biases or norm scales), and the memory's own parameters (DRAM layers:
     projections, gates, fuse) at mem_lr_mult x the scheduled lr, everything else (adapters, embeddings, action
     head) at 1 x. Each group's `lr_mult` is what set_lr multiplies; empty groups are left out (--memory none).
     bench.py's training step uses the same optimizer."""
