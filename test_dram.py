@@ -2305,6 +2305,28 @@ def test_checkpoint_policy_deployment_semantics(trained):
         pol.act([data.policy_frame(obs)], ["fold the towel"])
 
 
+
+def test_bad_checkpoint_files_are_named(trained, tmp_path):
+    """A checkpoint that is not one (cut short, another format, another program's dict, missing) is an error that
+    names the file, for eval.py (CheckpointPolicy) and for train.py --resume, not an unpickling error from torch."""
+    _, ck = trained
+    good = Path(ck).read_bytes()
+    other = tmp_path / "other.pt"
+    torch.save({"state_dict": {}}, other)
+    cases = {tmp_path / "cut.pt": good[: len(good) // 2], tmp_path / "text.pt": b"not a checkpoint\n"}
+    for path, raw in cases.items():
+        path.write_bytes(raw)
+        with pytest.raises(data.DataError, match=rf"{re.escape(str(path))} is not a readable checkpoint"):
+            ev.CheckpointPolicy(path)
+    with pytest.raises(data.DataError, match=rf"{re.escape(str(other))} is not a train.py checkpoint \(no 'config'\)"):
+        ev.CheckpointPolicy(other)
+    with pytest.raises(FileNotFoundError, match="missing.pt does not exist"):
+        ev.CheckpointPolicy(tmp_path / "missing.pt")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(good[:1000])
+    with pytest.raises(data.DataError, match=r"run/ckpt.pt is not a readable checkpoint"):
+        tiny_train(tmp_path, "run", "--resume")
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on a GPU machine)")
 def test_cuda_graph_policy_acts_like_the_eager_policy(trained):
     """The captured control step (eval.GraphedControlStep) against the eager one on the same frames and seed: same

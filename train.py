@@ -171,18 +171,28 @@ def save_checkpoint(path, obj):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, device="cpu", expect=None):
-    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match.
-    ckpt["file_sha1"] identifies the file's bytes (read once, so it names exactly the weights loaded)."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
+def read_checkpoint(path, device="cpu"):
+    """-> (ckpt dict, sha1 of the file's bytes). The bytes are read once, so the sha1 names exactly what was loaded.
+    A file that is not a train.py checkpoint (truncated, another format, another program's dict) raises
+    data.DataError naming it, instead of an unpickling error from deep inside torch.load."""
     raw = Path(path).read_bytes()
     sha1 = hashlib.sha1(raw).hexdigest()[:16]
-    ck = torch.load(io.BytesIO(raw), map_location=device, weights_only=False)
-    del raw  # not held while the host is built
+    try:
+        ck = torch.load(io.BytesIO(raw), map_location=device, weights_only=False)
+    except Exception as e:
+        raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
     for k in ("config", "model", "stats"):
-        if k not in ck:
-            raise ValueError(f"{path} is not a train.py checkpoint (no '{k}')")
+        if not isinstance(ck, dict) or k not in ck:
+            raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
+    return ck, sha1
+
+
+def load_checkpoint(path, device="cpu", expect=None):
+    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match.
+    ckpt["file_sha1"] identifies the file's bytes."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
+    ck, sha1 = read_checkpoint(path, device)
     cfg = HostConfig(**ck["config"])
     for k, v in (expect or {}).items():
         if getattr(cfg, k) != v:
@@ -401,7 +411,7 @@ def main(argv=None):
     if a.resume:
         if not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        ck, _ = read_checkpoint(ckpt_path)
         a = resume_args(a, ck.get("args", {}), given_flags(argv), ckpt_path)
     rank, world = setup_distributed(a)
     if a.cuda_graphs and (torch.device(a.device).type != "cuda" or world > 1):
