@@ -385,9 +385,16 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
         digest = hashlib.sha1(json.dumps([cache_key, ident], sort_keys=True).encode()).hexdigest()[:16]
         entry = root / f"{p.stem}-{digest}"
         if use_cache and (entry / "meta.json").is_file():
-            meta = json.loads((entry / "meta.json").read_text())
-            tokens = np.load(entry / "tokens.npy", mmap_mode="r")  # [N, n_tok, D] float16, lazy
-            st, ac = np.load(entry / "state.npy"), np.load(entry / "actions.npy")  # [N, 8], [N, Da]
+            try:  # a complete entry damaged afterwards (disk full, a partial copy): say which, do not guess
+                meta = json.loads((entry / "meta.json").read_text())
+                tokens = np.load(entry / "tokens.npy", mmap_mode="r")  # [N, n_tok, D] float16, lazy
+                st, ac = np.load(entry / "state.npy"), np.load(entry / "actions.npy")  # [N, 8], [N, Da]
+                n = sum(m["length"] for m in meta["demos"])
+                if not len(tokens) == len(st) == len(ac) == n:
+                    raise ValueError(f"{len(tokens)} token, {len(st)} state, {len(ac)} action rows for {n} frames")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise DataError(f"feature cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that "
+                                f"folder and {p} is encoded again") from e
             episodes[p] = _episodes(p, meta["instruction"], meta["demos"],
                                     [st[m["offset"]: m["offset"] + m["length"]] for m in meta["demos"]],
                                     [ac[m["offset"]: m["offset"] + m["length"]] for m in meta["demos"]], tokens)

@@ -1264,6 +1264,15 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         data.build_feature_cache([p], interrupted, "third_key", cache, progress=False)
     assert list((cache / "third_key").iterdir()) == []
+    # a complete entry damaged afterwards (cut short, unreadable metadata) is an error naming the entry
+    entry = next((cache / "fake_8px").iterdir())
+    good = {f: (entry / f).read_bytes() for f in ("tokens.npy", "meta.json")}
+    for f, bad in (("tokens.npy", good["tokens.npy"][:-40]), ("meta.json", b"{"), ("meta.json", b'{"demos": 3}')):
+        (entry / f).write_bytes(bad)
+        with pytest.raises(data.DataError, match=rf"feature cache entry {re.escape(str(entry))} is damaged"):
+            data.build_feature_cache([p], enc, "fake_8px", cache, progress=False)
+        (entry / f).write_bytes(good[f])
+    assert len(data.build_feature_cache([p], enc, "fake_8px", cache, progress=False)[0].tokens) == 4
 
 
 # ---------------------------------------------------------------- embedded memory suite
