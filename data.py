@@ -181,15 +181,21 @@ def _read_demo(f, path, name, images=True):
     return Demo(name=name, images=imgs, state=state, actions=act.astype(np.float32))
 
 
-def iter_demo_file(path, images=True):
-    """(instruction, generator of Demo) - reads one demo at a time (a LIBERO file holds ~1 GB of pixels)."""
+def open_demo_file(path):
+    """The demo file, open read-only; a missing file or one that is not HDF5 is a DataError naming it."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"demo file {path} does not exist")
     try:
-        f = h5py.File(path, "r")
+        return h5py.File(path, "r")
     except OSError as e:
-        raise DataError(f"{path}: cannot open as HDF5 ({e})")
+        raise DataError(f"{path}: cannot open as HDF5 ({e})") from e
+
+
+def iter_demo_file(path, images=True):
+    """(instruction, generator of Demo) - reads one demo at a time (a LIBERO file holds ~1 GB of pixels)."""
+    path = Path(path)
+    f = open_demo_file(path)
     try:
         names = _demo_names(f, path)
         instruction = _instruction(f, path)
@@ -212,14 +218,14 @@ def read_demo_file(path, images=True):
 
 def demo_lengths(path):
     """{demo name: T} from the actions shapes (no pixel reads)."""
-    with h5py.File(path, "r") as f:
+    with open_demo_file(path) as f:
         return {n: f["data"][n]["actions"].shape[0] if "actions" in f["data"][n] else None
                 for n in _demo_names(f, path)}
 
 
 def frame_size(path):
     """(H, W) of the camera images of a demo file (its first demo; no pixel reads)."""
-    with h5py.File(path, "r") as f:
+    with open_demo_file(path) as f:
         name = _demo_names(f, path)[0]
         key = f"obs/{CAMERAS[0]}"
         if key not in f["data"][name]:
@@ -844,7 +850,7 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
         path = Path(data_root) / MEMORY_SUITE / f"{task}_demo.hdf5"
         out.append(path)
         if path.exists() and not overwrite:
-            with h5py.File(path, "r") as f:
+            with open_demo_file(path) as f:
                 attrs = dict(f["data"].attrs) if "data" in f else {}
                 have = dict(img_size=attrs.get("img_size"), episodes=len(f["data"]) if "data" in f else None,
                             version=attrs.get("suite_version"))

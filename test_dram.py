@@ -1067,6 +1067,18 @@ def test_bad_input_raises(tmp_path, fn, match):
         data.read_demo_file(p)
 
 
+
+@pytest.mark.parametrize("reader", [data.read_demo_file, data.demo_lengths, data.frame_size])
+def test_unreadable_demo_file_is_named(tmp_path, reader):
+    """Every reader of a demo file (train.py opens each one through several) names a file that is not HDF5 or
+    is missing, instead of h5py's 'file signature not found' without a path."""
+    p = tmp_path / "junk_demo.hdf5"
+    p.write_bytes(b"not an HDF5 file\n")
+    with pytest.raises(data.DataError, match=rf"{re.escape(str(p))}: cannot open as HDF5"):
+        reader(p)
+    with pytest.raises(data.DataError, match=r"demo file .*gone_demo.hdf5 does not exist"):
+        reader(tmp_path / "gone_demo.hdf5")
+
 def test_missing_data_dir_explains_download(tmp_path):
     with pytest.raises(data.DataError, match=r"libero_10 does not exist.*download_libero_datasets.py.*"
                                              r"<data_root>/<suite>/<task name>_demo.hdf5"):
