@@ -123,17 +123,23 @@ def _instruction(f, path):
         instr = json.loads(info)["language_instruction"]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: data.attrs['problem_info'] is not JSON with 'language_instruction' ({e!r})")
-    if isinstance(instr, (list, tuple)):  # some exports store a list of words
+    if isinstance(instr, (list, tuple)) and all(isinstance(w, str) for w in instr):  # some exports: a list of words
         instr = " ".join(instr)
-    return str(instr).strip()
+    if not isinstance(instr, str) or not instr.strip():
+        raise DataError(f"{path}: data.attrs['problem_info']['language_instruction'] must be a non-empty string "
+                        f"(or a list of words), got {instr!r}")
+    return instr.strip()
 
 
 def _demo_names(f, path):
-    if "data" not in f:
+    if not isinstance(f.get("data"), h5py.Group):
         raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
-    names = [k for k in f["data"].keys() if re.fullmatch(r"demo_\d+", k)]
+    names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
     if not names:
         raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
+    other = [k for k in f["data"].keys() if k not in names]
+    if other:  # LIBERO's 'data' holds demo_<i> groups only: say what is not read
+        warnings.warn(f"{path}: data/{other[:10]} are not demo_<i> groups and are not read")
     return sorted(names, key=lambda k: int(k.split("_")[1]))
 
 
@@ -142,8 +148,8 @@ def _read_demo(f, path, name, images=True):
     g = f["data"][name]
     need = ["actions"] + [f"obs/{k}" for k in STATE_KEYS] + ([f"obs/{c}" for c in CAMERAS] if images else [])
     for k in need:
-        if k not in g:
-            raise DataError(f"{path}: data/{name}/{k} is missing")
+        if not isinstance(g.get(k), h5py.Dataset):
+            raise DataError(f"{path}: data/{name}/{k} is missing" + (" (a group, not an array)" if k in g else ""))
     arrays = {"actions": g["actions"][()]}
     for k in STATE_KEYS:
         arrays[f"obs/{k}"] = g[f"obs/{k}"][()]
@@ -151,15 +157,15 @@ def _read_demo(f, path, name, images=True):
     if images:
         for c in CAMERAS:
             ds = g[f"obs/{c}"]
-            if ds.ndim != 4 or ds.shape[-1] != 3 or ds.dtype != np.uint8:
+            if ds.ndim != 4 or ds.shape[-1] != 3 or ds.dtype != np.uint8 or 0 in ds.shape[1:3]:
                 raise DataError(f"{path}: data/{name}/obs/{c} must be uint8 [T,H,W,3], got {ds.dtype} {ds.shape}")
             lengths[f"obs/{c}"] = ds.shape[0]
         sizes = {c: g[f"obs/{c}"].shape[1:3] for c in CAMERAS}
         if len(set(sizes.values())) != 1:  # the tower encodes all cameras of a frame as one batch
             raise DataError(f"{path}: data/{name}: the cameras' images differ in size {sizes}")
     act = arrays["actions"]
-    if act.ndim != 2:
-        raise DataError(f"{path}: data/{name}/actions must be [T, Da], got shape {act.shape}")
+    if act.ndim != 2 or act.shape[1] == 0:
+        raise DataError(f"{path}: data/{name}/actions must be [T, Da] with Da >= 1, got shape {act.shape}")
     for k in STATE_KEYS:
         a = arrays[f"obs/{k}"]
         if a.ndim != 2 or a.shape[1] != STATE_DIMS[k]:
@@ -169,9 +175,11 @@ def _read_demo(f, path, name, images=True):
     if act.shape[0] == 0:
         raise DataError(f"{path}: data/{name} is empty (T = 0)")
     for k, a in arrays.items():
-        bad = ~np.isfinite(a)
+        with np.errstate(over="ignore"):
+            bad = ~np.isfinite(a.astype(np.float32))  # as training reads it: float64 beyond 3.4e38 becomes inf
         if bad.any():
-            raise DataError(f"{path}: data/{name}/{k} has NaN/inf (first at frame {np.argwhere(bad)[0][0]})")
+            raise DataError(f"{path}: data/{name}/{k} has NaN/inf or values beyond float32's range "
+                            f"(first at frame {np.argwhere(bad)[0][0]})")
     raw = {k: arrays[f"obs/{k}"] for k in STATE_KEYS}
     if images:
         # stored upside down -> upright, the same rotation eval.py applies to live frames
@@ -219,18 +227,24 @@ def read_demo_file(path, images=True):
 def demo_lengths(path):
     """{demo name: T} from the actions shapes (no pixel reads)."""
     with open_demo_file(path) as f:
-        return {n: f["data"][n]["actions"].shape[0] if "actions" in f["data"][n] else None
-                for n in _demo_names(f, path)}
+        acts = {n: f["data"][n].get("actions") for n in _demo_names(f, path)}
+        return {n: a.shape[0] if isinstance(a, h5py.Dataset) and a.ndim else None for n, a in acts.items()}
 
 
 def frame_size(path):
-    """(H, W) of the camera images of a demo file (its first demo; no pixel reads)."""
+    """(H, W) of the camera images of a demo file (no pixel reads): every demo's cameras must have that size, since
+    eval.py renders the simulator at the size the policy was trained on."""
     with open_demo_file(path) as f:
-        name = _demo_names(f, path)[0]
-        key = f"obs/{CAMERAS[0]}"
-        if key not in f["data"][name]:
-            raise DataError(f"{path}: data/{name}/{key} is missing")
-        return tuple(int(x) for x in f["data"][name][key].shape[1:3])
+        sizes = {}  # (H, W) -> the first key that has it
+        for name in _demo_names(f, path):
+            for c in CAMERAS:
+                ds = f["data"][name].get(f"obs/{c}")
+                if not isinstance(ds, h5py.Dataset):
+                    raise DataError(f"{path}: data/{name}/obs/{c} is missing")
+                sizes.setdefault(tuple(int(x) for x in ds.shape[1:3]), f"data/{name}/obs/{c}")
+        if len(sizes) > 1:
+            raise DataError(f"{path}: the camera images differ in size: {sizes}")
+        return next(iter(sizes))
 
 
 def write_demo_file(path, instruction, episodes, env_name="", attrs=None):

@@ -1053,18 +1053,72 @@ def _corrupt(tmp_path, fn):
                 f["data/demo_1"].create_dataset("actions", data=np.zeros((4, 7)))),
      r"data/demo_1 has mismatched lengths"),
     (lambda f: f["data/demo_1/actions"].__setitem__((2, 3), np.nan),
-     r"data/demo_1/actions has NaN/inf \(first at frame 2\)"),
+     r"data/demo_1/actions has NaN/inf or values beyond float32's range \(first at frame 2\)"),
     (lambda f: f["data/demo_0/obs/gripper_states"].__setitem__((1, 0), np.nan),
      r"data/demo_0/obs/gripper_states has NaN"),
     (lambda f: f["data"].attrs.__setitem__("problem_info", "{not json"), r"problem_info"),
     (lambda f: (f["data/demo_1/obs"].__delitem__("eye_in_hand_rgb"),
                 f["data/demo_1/obs"].create_dataset("eye_in_hand_rgb", data=np.zeros((5, 4, 4, 3), np.uint8))),
      r"data/demo_1: the cameras' images differ in size"),
+    # float64 beyond float32's range is inf once training casts it
+    (lambda f: f["data/demo_0/actions"].__setitem__((3, 0), 1e39),
+     r"data/demo_0/actions has NaN/inf or values beyond float32's range \(first at frame 3\)"),
+    (lambda f: (f["data/demo_0"].__delitem__("actions"), f["data/demo_0"].create_dataset("actions", shape=(4, 0))),
+     r"data/demo_0/actions must be \[T, Da\] with Da >= 1, got shape \(4, 0\)"),
+    (lambda f: (f["data/demo_0"].__delitem__("actions"), f["data/demo_0"].create_group("actions")),
+     r"data/demo_0/actions is missing \(a group, not an array\)"),
+    (lambda f: (f["data/demo_1/obs"].__delitem__("agentview_rgb"),
+                f["data/demo_1/obs"].create_dataset("agentview_rgb", shape=(5, 0, 0, 3), dtype=np.uint8)),
+     r"data/demo_1/obs/agentview_rgb must be uint8 \[T,H,W,3\], got uint8 \(5, 0, 0, 3\)"),
+    (lambda f: f["data"].attrs.__setitem__("problem_info", json.dumps({"language_instruction": None})),
+     r"'language_instruction'\] must be a non-empty string \(or a list of words\), got None"),
+    (lambda f: f["data"].attrs.__setitem__("problem_info", json.dumps({"language_instruction": " "})),
+     r"must be a non-empty string \(or a list of words\), got ' '"),
+    (lambda f: f["data"].attrs.__setitem__("problem_info", json.dumps({"language_instruction": [1, 2]})),
+     r"must be a non-empty string \(or a list of words\), got \[1, 2\]"),
+    (lambda f: (f.__delitem__("data"), f.create_dataset("data", data=np.zeros(3))), r"bad_demo.hdf5: no 'data' group"),
 ])
 def test_bad_input_raises(tmp_path, fn, match):
     p = _corrupt(tmp_path, fn)
     with pytest.raises(data.DataError, match=match):
         data.read_demo_file(p)
+
+
+def test_demo_file_structure_checks(tmp_path):
+    """What the reader does not read is said (a warning naming the keys); a file whose demos' cameras differ in size
+    across demos has no single frame size; demo_lengths leaves a scalar 'actions' to the reader's check."""
+    p = _corrupt(tmp_path, lambda f: f["data"].move("demo_1", "demo1"))
+    with pytest.warns(UserWarning, match=r"data/\['demo1'\] are not demo_<i> groups and are not read"):
+        assert [d.name for d in data.read_demo_file(p)[1]] == ["demo_0"]
+    def smaller(f):
+        for c in data.CAMERAS:
+            f["data/demo_1/obs"].__delitem__(c)
+            f["data/demo_1/obs"].create_dataset(c, data=np.zeros((5, 4, 4, 3), np.uint8))
+    p = _corrupt(tmp_path, smaller)
+    data.read_demo_file(p)  # each demo is consistent on its own
+    with pytest.raises(data.DataError, match=r"bad_demo.hdf5: the camera images differ in size: "
+                                             r"\{\(8, 10\): 'data/demo_0/obs/agentview_rgb', \(4, 4\): 'data/demo_1"):
+        data.frame_size(p)
+    p = _corrupt(tmp_path, lambda f: (f["data/demo_1"].__delitem__("actions"),
+                                      f["data/demo_1"].create_dataset("actions", data=1.0)))
+    assert data.demo_lengths(p) == {"demo_0": 4, "demo_1": None}
+    with pytest.raises(data.DataError, match=r"data/demo_1/actions must be \[T, Da\]"):
+        data.read_demo_file(p)
+
+
+def test_scan_checks_every_demo_before_encoding(tmp_path):
+    """train.scan reads every demo's actions and states (not only the first per file), so a file whose later demo
+    has another action width is named before any image is encoded."""
+    rng = np.random.default_rng(4)
+    a = write_libero(tmp_path / "a_demo.hdf5", [make_demo(rng, 4), make_demo(rng, 5)])
+    short = make_demo(rng, 3)
+    short["actions"] = short["actions"][:, :6]
+    b = write_libero(tmp_path / "b_demo.hdf5", [make_demo(rng, 4), short])
+    with pytest.raises(data.DataError, match=r"b_demo.hdf5: data/demo_1/actions has 6 dimensions, "
+                                             r".*a_demo.hdf5: data/demo_0/actions has 7"):
+        train.scan([a, b])
+    vocab, Da, hw = train.scan([a])
+    assert Da == 7 and hw == (8, 10) and vocab == ["pick up the bowl"]
 
 
 

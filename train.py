@@ -346,14 +346,19 @@ def set_lr(opt, lr):
 
 
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files (no pixels read).
+    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files (no pixels read;
+    every demo's actions and states are validated).
     The frame size is stored in the checkpoint: eval.py renders the simulator at the size the policy was trained on."""
     vocab, Da, sizes = set(), None, {}
     for f in files:
         instr, demos = data.iter_demo_file(f, images=False)
-        first = next(iter(demos))
         vocab.add(instr)
-        Da = Da or first.actions.shape[1]
+        for d in demos:  # every demo's actions and states are read and checked here, before any image is encoded
+            if Da is None:
+                Da, first = d.actions.shape[1], f"{f}: data/{d.name}"
+            elif d.actions.shape[1] != Da:
+                raise data.DataError(f"{f}: data/{d.name}/actions has {d.actions.shape[1]} dimensions, "
+                                     f"{first}/actions has {Da}")
         sizes.setdefault(data.frame_size(f), f)
     if len(sizes) > 1:
         raise data.DataError(f"the demo files' camera images differ in size: {sizes}")
