@@ -2085,12 +2085,48 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "0"], "--save-every must be >= 1"),
-    (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file")])
+    (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"), (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--clip", "0"], "--clip must be a finite number > 0, got 0.0"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+    (["--mem-lr-mult", "-2"], "--mem-lr-mult must be a finite number >= 0, got -2.0"),
+    (["--warmup", "-3"], "--warmup must be >= 0, got -3"), (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"), (["--device", "foo"], "--device foo: ")])
 def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
     """Refused before anything runs (no demos generated, no run folder), naming the argument."""
     with pytest.raises(SystemExit):
         train.get_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, monkeypatch):
+    """Weights that an optimizer step made NaN (here: a step that poisons one weight) stop the run before the
+    checkpoint is written, so the last good one stays; a checkpoint holding NaN weights (written by another tool)
+    is refused by eval.py and --resume, naming the file and the weight."""
+    good = tiny_train(tmp_path, "a", "--steps", "2", "--save-every", "1")
+    before = Path(good).read_bytes()
+    real = train.train_step
+
+    def poisoned(host, opt, params, *args, **kw):
+        out = real(host, opt, params, *args, **kw)
+        with torch.no_grad():
+            params[0].view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+    with pytest.raises(FloatingPointError, match=r"step 3: the weights hold NaN/inf .*ckpt.pt is not written"):
+        tiny_train(tmp_path, "a", "--steps", "4", "--save-every", "1", "--resume")
+    assert Path(good).read_bytes() == before
+    ck = torch.load(good, weights_only=False)
+    name = next(iter(ck["model"]))
+    ck["model"][name].view(-1)[0] = float("inf")
+    bad = tmp_path / "bad.pt"
+    torch.save(ck, bad)
+    with pytest.raises(data.DataError, match=rf"bad.pt: the weights \['{re.escape(name)}'\] hold NaN/inf"):
+        ev.CheckpointPolicy(bad)
+    torch.save(ck, good)
+    with pytest.raises(data.DataError, match=r"hold NaN/inf; this checkpoint cannot act or resume"):
+        tiny_train(tmp_path, "a", "--steps", "4", "--resume")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

@@ -99,6 +99,21 @@ def get_args(argv=None):
               "d_model", "head_blocks", "vla_layers", "flow_steps"):
         if getattr(a, k) is not None and getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False),
+                          ("clip", 0.0, True)):
+        v = getattr(a, k)
+        if v is not None and not (math.isfinite(v) and (v > lo if strict else v >= lo)):
+            p.error(f"--{k.replace('_', '-')} must be a finite number {'>' if strict else '>='} {lo:g}, got {v}")
+    for k in ("warmup", "eval_episodes"):
+        if getattr(a, k) < 0:
+            p.error(f"--{k.replace('_', '-')} must be >= 0, got {getattr(a, k)}")
+    if not 0 <= a.seed < 2 ** 32:
+        p.error(f"--seed must be in [0, 2**32), got {a.seed}")
+    if a.device != "auto":
+        try:
+            torch.device(a.device)
+        except RuntimeError as e:
+            p.error(f"--device {a.device}: {e}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
     lib = a.suite != data.MEMORY_SUITE
@@ -184,6 +199,9 @@ def read_checkpoint(path, device="cpu"):
     for k in ("config", "model", "stats"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
+    bad = [k for k, v in ck["model"].items() if torch.is_floating_point(v) and not torch.isfinite(v).all()]
+    if bad:
+        raise data.DataError(f"{path}: the weights {bad[:3]} hold NaN/inf; this checkpoint cannot act or resume")
     return ck, sha1
 
 
@@ -485,7 +503,12 @@ def main(argv=None):
     set_capturable(opt, a.cuda_graphs, dev)  # also when resuming a run made the other way
 
     def checkpoint():
-        """Every rank contributes its sampler position, memory state and RNG; rank 0 writes."""
+        """Every rank contributes its sampler position, memory state and RNG; rank 0 writes. Weights that are no
+        longer finite are not written: the last good checkpoint stays."""
+        bad = [n for n, p in host.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
+                                     f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
         mine_state = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(),
                           rng=dict(torch=torch.get_rng_state(),
                                    cuda=torch.cuda.get_rng_state() if dev.type == "cuda" else None))
