@@ -71,6 +71,15 @@ class HostConfig:
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
     query_slots: int = 8  # M learned query slots
 
+    def __post_init__(self):
+        for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
+                      ("write_source", ("native_kv", "hidden", "last_hidden"))):
+            if getattr(self, k) not in ok:
+                raise ValueError(f"HostConfig.{k} = {getattr(self, k)!r}; choose one of {ok}")
+        if self.d_model % self.head_heads:  # the head's attention splits d_model into head_heads equal parts
+            raise ValueError(f"HostConfig.d_model = {self.d_model} (train.py --d-model) must be a multiple of "
+                             f"head_heads = {self.head_heads}")
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Frozen vision tower (shared by both hosts)
@@ -99,7 +108,31 @@ class FrozenTower(nn.Module):
             kw["img_size"] = cfg.image_size
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.model = timm.create_model(cfg.vision, **kw)
+            try:
+                self.model = timm.create_model(cfg.vision, **kw)
+            except Exception as e:
+                if not kw["pretrained"]:
+                    raise
+                if cfg.weights_file:
+                    raise ValueError(f"--weights-file {cfg.weights_file}: cannot load it into {cfg.vision} "
+                                     f"({type(e).__name__}: {e})") from e
+                raise RuntimeError(f"{cfg.vision}: the pretrained weights could not be fetched from the timm hub "
+                                   f"({type(e).__name__}: {e}); offline, download them elsewhere and pass "
+                                   f"--weights-file, or train without them (--no-pretrained)") from e
+        if cfg.weights_file:
+            # timm loads a file non-strictly once the classifier is dropped (num_classes=0): a file of another model
+            # would leave the tower at its random initialisation without an error, so compare against that
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                init = timm.create_model(cfg.vision, pretrained=False, num_classes=0,
+                                         **({"img_size": kw["img_size"]} if "img_size" in kw else {})).state_dict()
+            loaded = self.model.state_dict()
+            drawn = [n for n, v in init.items() if v.is_floating_point() and v.numel() > 1 and v.std() > 0]  # random
+            kept = [n for n in drawn if torch.equal(init[n], loaded[n])]
+            if len(kept) > len(drawn) // 2:
+                raise ValueError(f"--weights-file {cfg.weights_file}: {len(kept)} of the {len(drawn)} randomly "
+                                 f"initialised tensors of {cfg.vision} were not in it (e.g. {kept[:3]}); is it that "
+                                 f"model's weights?")
         dc = timm.data.resolve_model_data_config(self.model)
         self.register_buffer("mean", torch.tensor(dc["mean"]).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(dc["std"]).view(1, 3, 1, 1), persistent=False)

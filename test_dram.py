@@ -640,6 +640,46 @@ def test_host_loss_with_fixed_shapes_equals_the_indexed_loss(kind, ws, monkeypat
             torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
+def test_tower_loads_a_local_weights_file(tmp_path, monkeypatch):
+    """--weights-file (offline pretrained): a .pth or .safetensors state dict of the tower's timm model is loaded
+    through timm (the position embedding resampled from 224 px to the tower's grid); a file of another model, which
+    timm would load without an error (non-strict once the classifier is dropped), and a file that is not weights
+    are errors naming it; a failed hub download says how to work offline."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    sd = timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict()  # as on the hub: 224 px, head
+    torch.save(sd, tmp_path / "w.pth")
+    save_file(sd, tmp_path / "w.safetensors")
+    random_tower = hosts.FrozenTower(HostConfig(image_size=32))
+    for f in ("w.pth", "w.safetensors"):
+        tower = hosts.FrozenTower(HostConfig(image_size=32, pretrained=True, weights_file=str(tmp_path / f)))
+        got = tower.model.state_dict()
+        for k in ("patch_embed.proj.weight", "blocks.0.attn.qkv.weight", "blocks.11.mlp.fc2.bias", "norm.weight"):
+            assert torch.equal(got[k], sd[k]), k
+        assert got["pos_embed"].shape == (1, 1 + 2 * 2, 192)  # 32 px / 16 = 2 x 2 patches + the class token
+        assert torch.equal(got["pos_embed"][0, 0], sd["pos_embed"][0, 0])  # the class token's is kept
+        assert tower.fingerprint() != random_tower.fingerprint()
+    torch.save({"encoder.weight": torch.zeros(3)}, tmp_path / "other.pth")
+    with pytest.raises(ValueError, match=r"--weights-file .*other.pth: 52 of the 52 randomly initialised tensors "
+                                         r"of vit_tiny_patch16_224 were not in it"):
+        hosts.FrozenTower(HostConfig(image_size=32, pretrained=True, weights_file=str(tmp_path / "other.pth")))
+    (tmp_path / "notes.txt").write_text("not weights\n")
+    with pytest.raises(ValueError, match=r"--weights-file .*notes.txt: cannot load it into vit_tiny_patch16_224"):
+        hosts.FrozenTower(HostConfig(image_size=32, pretrained=True, weights_file=str(tmp_path / "notes.txt")))
+    real = timm.create_model
+
+    def offline(name, pretrained=False, **kw):
+        if pretrained:
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        return real(name, pretrained=False, **kw)
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    with pytest.raises(RuntimeError, match=r"could not be fetched from the timm hub .*pass --weights-file"):
+        hosts.FrozenTower(HostConfig(image_size=32, pretrained=True))
+
+
 @pytest.mark.parametrize("kind,ws", HOST_KINDS)
 def test_captured_steps_never_read_tensor_values_on_the_host(kind, ws, monkeypatch):
     """A CUDA graph cannot hold a host round trip: .item(), the truth value of a tensor, a shape that depends on
@@ -2091,7 +2131,8 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
     (["--mem-lr-mult", "-2"], "--mem-lr-mult must be a finite number >= 0, got -2.0"),
     (["--warmup", "-3"], "--warmup must be >= 0, got -3"), (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
-    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"), (["--device", "foo"], "--device foo: ")])
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"), (["--device", "foo"], "--device foo: "),
+    (["--d-model", "30"], "HostConfig.d_model = 30 (train.py --d-model) must be a multiple of head_heads = 4")])
 def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
     """Refused before anything runs (no demos generated, no run folder), naming the argument."""
     with pytest.raises(SystemExit):

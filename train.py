@@ -116,6 +116,10 @@ def get_args(argv=None):
             p.error(f"--device {a.device}: {e}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
+    try:  # the host configuration's own checks, before any data is generated or encoded
+        HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
+    except ValueError as e:
+        p.error(str(e))
     lib = a.suite != data.MEMORY_SUITE
     if lib and a.chunk is None:
         a.chunk = LIBERO_CHUNK
