@@ -75,7 +75,7 @@ class HostConfig:
         for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
                       ("write_source", ("native_kv", "hidden", "last_hidden"))):
             if getattr(self, k) not in ok:
-                raise ValueError(f"HostConfig.{k} = {getattr(self, k)!r}; choose one of {ok}")
+                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(ok)}; got {getattr(self, k)!r}")
         if self.d_model % self.head_heads:  # the head's attention splits d_model into head_heads equal parts
             raise ValueError(f"HostConfig.d_model = {self.d_model} (train.py --d-model) must be a multiple of "
                              f"head_heads = {self.head_heads}")
@@ -520,8 +520,6 @@ class VLAHost(Host):
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
-        if cfg.write_source not in ("native_kv", "hidden", "last_hidden"):
-            raise ValueError(f"--write-source must be native_kv, hidden or last_hidden, got {cfg.write_source!r}")
         self.cfg = cfg
         self.tower = FrozenTower(cfg)
         vit = self.tower.model
@@ -631,10 +629,5 @@ def capture_cuda_graph(fn, warmup=3, after_warmup=None, device=None):
 def make_host(name, config: HostConfig):
     """Factory used by train.py / eval.py."""
     config.host = name
-    if config.memory not in ("dram", "none"):
-        raise ValueError(f"--memory must be dram or none, got {config.memory!r}")
-    if name == "dit":
-        return DiTHost(config)
-    if name == "vla":
-        return VLAHost(config)
-    raise ValueError(f"--host must be dit or vla, got {name!r}")
+    config.__post_init__()  # the host's name and the settings changed since construction are checked again
+    return DiTHost(config) if name == "dit" else VLAHost(config)

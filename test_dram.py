@@ -996,8 +996,12 @@ def test_host_errors_are_clear():
     assert host.instr_ids(["place it", "pick it"]).tolist() == [1, 0]
     with pytest.raises(ValueError, match="patch size 14"):
         make_host("dit", HostConfig(vision="vit_small_patch14_dinov2", image_size=64))
-    with pytest.raises(ValueError, match="write-source"):
-        make_host("vla", HostConfig(write_source="kv"))
+    with pytest.raises(ValueError, match="--write-source must be one of native_kv, hidden, last_hidden; got 'kv'"):
+        HostConfig(write_source="kv")
+    with pytest.raises(ValueError, match="--memory must be one of dram, none; got 'lstm'"):
+        HostConfig(memory="lstm")
+    with pytest.raises(ValueError, match="--host must be one of dit, vla; got 'rnn'"):
+        make_host("rnn", HostConfig())
     with pytest.raises(KeyError, match="missing camera"):
         host.encode({"agentview_rgb": torch.zeros(1, 32, 32, 3, dtype=torch.uint8)})
 
