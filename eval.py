@@ -32,10 +32,10 @@ does not see, then at most LIBERO_MAX_STEPS[suite] policy steps; success = `done
 Images are rendered at --image-size (default 128 = the demos' resolution), so the policy receives pixels made the
 same way as its training frames; any further resize is the policy's own preprocessing, shared with training.
 
-Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds); for
-LIBERO also summary.json, results.md (the markdown table that is also printed), videos/ with --video (needs
-imageio). The embedded suite prints its table and logs next to each checkpoint (<ckpt dir>/eval_memory_L<L>) unless
---out is given.
+Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds), videos/
+with --video (needs imageio); for LIBERO also summary.json, results.md (the markdown table that is also printed).
+The embedded suite prints its table and logs next to each checkpoint (<ckpt dir>/eval_memory_L<L>) unless --out is
+given.
 """
 import argparse
 import functools
@@ -505,7 +505,7 @@ def make_memory_env(task_id, seed, img_size=64):
 
 
 def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_every=0, replan=1, num_envs=16,
-                          out=None, tasks=None, cuda_graphs=True):
+                          out=None, tasks=None, cuda_graphs=True, video=False):
     """Embedded suite: success per task and suite mean of each checkpoint, side by side with the best success
     any memoryless policy can reach (data.MEMORYLESS_CEILING). Layout seeds [seed, task, trial] with seed != 0 are
     disjoint from the demonstrations' ([0, task, i]; eval.py's --seed defaults to 7). Logs go to `out` (one
@@ -526,7 +526,7 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
         slots = EnvSlots(functools.partial(make_memory_env, seed=seed, img_size=size), num_envs)
         t0 = time.time()
         summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where, run, reset_every=reset_every,
-                                 quiet=True)
+                                 video=video, quiet=True)
         print(f"evaluated {ck} on the embedded suite: {summaries[ck]['episodes']} episodes in {time.time() - t0:.0f} s")
     print(memory_table(summaries))
     return summaries
@@ -554,6 +554,9 @@ def memory_table(summaries):
 # ----------------------------------------------------------------------------------------------------------
 
 
+LOG_KEYS = ["suite", "task_id", "trial", "success"]  # what resuming and the summary read from every record
+
+
 def load_log(path):
     """Episode records of a JSONL log ([] when absent). A corrupt line is an error naming file and line."""
     if not os.path.exists(path):
@@ -564,10 +567,15 @@ def load_log(path):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); an interrupted write leaves a cut "
                                  f"last line: delete that line and re-run to resume") from e
+            missing = [k for k in LOG_KEYS if k not in r] if isinstance(r, dict) else LOG_KEYS
+            if missing:
+                raise ValueError(f"{path}:{lineno} is not an episode record of eval.py (no {missing}); pass "
+                                 f"another --out")
+            records.append(r)
     return records
 
 
@@ -680,7 +688,8 @@ def get_args(argv=None):
     p.add_argument("--reset-every", type=int, default=0, help="clear all memory every L observation frames "
                    "(the reset-interval ablation; 0 = only between episodes)")
     p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (>1: worker processes)")
-    p.add_argument("--image-size", type=int, default=128, help="render size; must match the training frames")
+    p.add_argument("--image-size", type=int, default=None, help="LIBERO render size (default 128); must match the "
+                   "training frames")
     p.add_argument("--ckpt", action="append", default=None, help="train.py checkpoint (give it twice to compare "
                    "two policies side by side, e.g. DRAM and its --memory none baseline)")
     p.add_argument("--replan", type=int, default=1, help="observations per action chunk: the action expert "
@@ -688,16 +697,40 @@ def get_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
                    "step eagerly instead of replaying CUDA graphs (for debugging; same actions, slower)")
-    p.add_argument("--policy", choices=["zero", "random"], default="zero", help="stand-in policy without --ckpt")
+    p.add_argument("--policy", choices=["zero", "random"], default=None, help="LIBERO: stand-in policy without "
+                   "--ckpt (default zero)")
     p.add_argument("--out", default=None, help="output folder (default: LIBERO runs/eval/<suites>_<policy>_L<reset>; "
                    "embedded suite <ckpt dir>/eval_memory_L<reset>)")
     p.add_argument("--video", action="store_true", help="write an mp4 per episode (needs imageio)")
     args = p.parse_args(argv)
     for name in ("trials", "num_envs", "image_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_steps < 0 or args.reset_every < 0:
         p.error("--max-steps and --reset-every must be >= 0")
+    if not 0 <= args.seed < 2 ** 32:
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device}: {e}")
+    bad = [s for s in args.suite if s != "memory" and s not in LIBERO_MAX_STEPS]
+    if bad or ("memory" in args.suite and len(args.suite) > 1):
+        p.error(f"--suite: 'memory' (alone) or LIBERO suites {sorted(LIBERO_MAX_STEPS)}; got {args.suite}")
+    if args.tasks is not None and (len(set(args.tasks)) < len(args.tasks) or min(args.tasks) < 0):
+        p.error(f"--tasks must be distinct task ids >= 0, got {args.tasks}")
+    if args.suite == ["memory"]:
+        n = len(MEMORY_TASK_NAMES)
+        if args.tasks is not None and max(args.tasks) >= n:
+            p.error(f"--tasks {args.tasks}: the embedded suite has tasks 0..{n - 1} ({', '.join(MEMORY_TASK_NAMES)})")
+        # LIBERO-only settings: the embedded suite has its own step limits and renders at the checkpoint's size
+        given = [f for f, v in (("--max-steps", args.max_steps), ("--image-size", args.image_size),
+                                ("--policy", args.policy)) if v]
+        if given:
+            p.error(f"{', '.join(given)}: LIBERO settings; the embedded suite uses its tasks' step limits, renders "
+                    f"at the checkpoint's training frame size and evaluates --ckpt")
+    args.image_size = args.image_size or 128
+    args.policy = args.policy or "zero"
     if args.video:
         try:
             import imageio  # noqa: F401  checked now rather than after the first episode
@@ -713,7 +746,7 @@ def main(argv=None):
             raise SystemExit("--suite memory needs --ckpt (train one with `python train.py`)")
         return evaluate_memory_suite(args.ckpt, episodes=args.trials, seed=args.seed, device=args.device,
                                      reset_every=args.reset_every, replan=args.replan, num_envs=max(args.num_envs, 16),
-                                     out=args.out, tasks=args.tasks, cuda_graphs=args.cuda_graphs)
+                                     out=args.out, tasks=args.tasks, cuda_graphs=args.cuda_graphs, video=args.video)
     if args.ckpt and len(args.ckpt) > 1:
         raise SystemExit("LIBERO: give one --ckpt per run (compare the results.md tables of two runs)")
     if args.ckpt:

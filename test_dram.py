@@ -1823,6 +1823,13 @@ def test_jsonl_resume_and_guards(tmp_path):
         f.write('{"suite": "toy", "task_id": 0, "tri')
     with pytest.raises(ValueError, match=r"episodes\.jsonl:8 is not valid JSON"):
         ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
+    # Valid JSON that is not an episode record (another tool's log in the same folder) is refused by line.
+    lines = log.read_text().splitlines()[:7]
+    for bad, what in (("[1, 2]", "suite', 'task_id', 'trial', 'success"), ('{"suite": "toy", "task_id": 0}', "trial', 'success")):
+        log.write_text("\n".join(lines + [bad]) + "\n")
+        with pytest.raises(ValueError, match=rf"episodes\.jsonl:8 is not an episode record of eval.py \(no \['{what}'\]\)"):
+            ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run,
+                        frame_fn=identity)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2524,6 +2531,34 @@ def graphed_vs_eager_policy(ck):
     assert s0.abs().sum() > 0 and (s0[5, 1] != s0[4, 1]).any()
     np.testing.assert_allclose(a1, a0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s1, s0, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "memory", "--tasks", "6"], "--tasks [6]: the embedded suite has tasks 0..5 (cue_colour"),
+    (["--suite", "memory", "--tasks", "0", "0"], "--tasks must be distinct task ids >= 0, got [0, 0]"),
+    (["--suite", "libero_10", "--tasks", "-1"], "--tasks must be distinct task ids >= 0, got [-1]"),
+    (["--suite", "memory", "libero_10"], "--suite: 'memory' (alone) or LIBERO suites"),
+    (["--suite", "libero_100"], "--suite: 'memory' (alone) or LIBERO suites"),
+    (["--suite", "memory", "--max-steps", "3"], "--max-steps: LIBERO settings; the embedded suite uses"),
+    (["--image-size", "96", "--policy", "random"], "--image-size, --policy: LIBERO settings"),
+    (["--device", "foo"], "--device foo: "), (["--seed", "-1"], "--seed must be in [0, 2**32), got -1")])
+def test_bad_eval_arguments_are_clear_errors(argv, message, capsys):
+    """Refused before a checkpoint is loaded or an environment built, naming the argument (before: an IndexError,
+    a task evaluated twice, a settings flag silently ignored, a good checkpoint blamed for a --device typo)."""
+    with pytest.raises(SystemExit):
+        ev.get_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_embedded_suite_writes_videos(trained, tmp_path, monkeypatch):
+    """--video on the embedded suite: one clip per episode, named by task, trial and outcome, of its frames."""
+    _, ck = trained
+    clips = {}
+    monkeypatch.setattr(ev, "write_video", lambda path, frames, fps=20: clips.update({Path(path).name: len(frames)}))
+    s = ev.evaluate_memory_suite([ck], episodes=2, tasks=[1], out=str(tmp_path), num_envs=2, video=True)
+    recs = [json.loads(l) for l in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert s[ck]["episodes"] == 2 and clips == {
+        f"memory_task1_trial{r['trial']}_{'success' if r['success'] else 'failure'}.mp4": r["steps"] for r in recs}
 
 
 def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
