@@ -856,6 +856,12 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
     an explicit value that differs from an existing file's, or a file written by an older generator
     (MEMORY_SUITE_VERSION), is an error that names the file and the command that regenerates it. Every demo is an
     expert success; a failed expert episode raises."""
+    if n_episodes is not None and n_episodes < 1:
+        raise ValueError(f"--episodes must be >= 1, got {n_episodes}")
+    if img_size is not None and img_size < 16:  # the colour cue's frame is img_size / 16 pixels wide
+        raise ValueError(f"--img-size must be >= 16, got {img_size}")
+    if not 0 <= seed < 2 ** 32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {seed}")
     out = []
     for task in tasks or list(MEMORY_TASKS):
         if task not in MEMORY_TASKS:
@@ -914,7 +920,12 @@ def main(argv=None):
     ap.add_argument("--overwrite", action="store_true", help="memory suite: regenerate existing files")
     args = ap.parse_args(argv)
     if args.suite == MEMORY_SUITE:
-        generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
+        try:
+            generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
+        except DataError:
+            raise
+        except ValueError as e:  # a bad argument: a usage error naming it
+            ap.error(str(e))
     files = find_demo_files(args.root, args.suite, generate=False)
     for p in files:  # full validation pass (pixels included), one summary line per task
         instr, demos = iter_demo_file(p)

@@ -1177,6 +1177,17 @@ def test_unreadable_demo_file_is_named(tmp_path, reader):
     with pytest.raises(data.DataError, match=r"demo file .*gone_demo.hdf5 does not exist"):
         reader(tmp_path / "gone_demo.hdf5")
 
+
+@pytest.mark.parametrize("argv, message", [(["--episodes", "0"], "--episodes must be >= 1, got 0"),
+                                           (["--img-size", "0"], "--img-size must be >= 16, got 0"),
+                                           (["--seed", "-1"], "--seed must be in [0, 2**32), got -1")])
+def test_bad_data_arguments_are_clear_errors(tmp_path, argv, message, capsys):
+    """python data.py: refused before any file is written (before: six empty demo files, or h5py's chunk error
+    with a half-written .tmp file left behind)."""
+    with pytest.raises(SystemExit):
+        data.main(["--out", str(tmp_path)] + argv)
+    assert message in capsys.readouterr().err and not any(tmp_path.rglob("*"))
+
 def test_missing_data_dir_explains_download(tmp_path):
     with pytest.raises(data.DataError, match=r"libero_10 does not exist.*download_libero_datasets.py.*"
                                              r"<data_root>/<suite>/<task name>_demo.hdf5"):
