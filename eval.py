@@ -430,6 +430,7 @@ class CheckpointPolicy:
         self.host, ck = load_checkpoint(ckpt, device)
         self.stats, self.device = ck["stats"], torch.device(device)
         self.frame_size = tuple(ck["frame_size"]) if "frame_size" in ck else None  # (H, W) of the training frames
+        self.suite = ck.get("suite")  # what it was trained on: its instructions are the ones it knows
         # the file's content identifies the policy in episode logs: a checkpoint retrained at the same path must not
         # resume the old one's episodes
         self.sha1 = ck["file_sha1"]
@@ -520,6 +521,9 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
         else:
             where = out if len(ckpts) == 1 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
         policy = CheckpointPolicy(ck, device, replan, cuda_graphs)
+        if policy.suite not in (None, "memory"):
+            raise ValueError(f"{ck} was trained on {policy.suite}; the embedded suite needs a checkpoint trained with "
+                             f"--suite memory")
         run = dict(policy=os.path.abspath(ck), checkpoint_sha1=policy.sha1, seed=seed, reset_every=reset_every,
                    replan=replan)
         size = policy.frame_size[0] if policy.frame_size else 64  # rendered as the training demos were
@@ -752,6 +756,8 @@ def main(argv=None):
     if args.ckpt:
         policy = CheckpointPolicy(args.ckpt[0], args.device, args.replan, args.cuda_graphs)
         name = os.path.abspath(args.ckpt[0])
+        if policy.suite == "memory":
+            raise SystemExit(f"{args.ckpt[0]} was trained on the embedded suite; evaluate it with --suite memory")
         if policy.frame_size not in (None, (args.image_size, args.image_size)):
             raise SystemExit(f"{args.ckpt[0]} was trained on {policy.frame_size[0]} x {policy.frame_size[1]} frames; "
                              f"render the simulator at that size (--image-size {policy.frame_size[0]})")

@@ -2496,6 +2496,16 @@ def test_bad_checkpoint_files_are_named(trained, tmp_path):
         ev.CheckpointPolicy(other)
     with pytest.raises(FileNotFoundError, match="missing.pt does not exist"):
         ev.CheckpointPolicy(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError, match=r"is a folder; pass the ckpt.pt in it"):
+        ev.CheckpointPolicy(tmp_path)
+    # a checkpoint of another suite knows other instructions: refused by name before any episode runs
+    c = torch.load(ck, weights_only=False)
+    c["suite"] = "libero_10"
+    torch.save(c, tmp_path / "libero.pt")
+    with pytest.raises(ValueError, match=r"libero.pt was trained on libero_10; the embedded suite needs"):
+        ev.evaluate_memory_suite([str(tmp_path / "libero.pt")], episodes=1, out=str(tmp_path / "ev"))
+    with pytest.raises(SystemExit, match=r"was trained on the embedded suite; evaluate it with --suite memory"):
+        ev.main(["--suite", "libero_10", "--ckpt", ck, "--out", str(tmp_path / "ev2")])
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "ckpt.pt").write_bytes(good[:1000])
     with pytest.raises(data.DataError, match=r"run/ckpt.pt is not a readable checkpoint"):

@@ -212,6 +212,8 @@ def read_checkpoint(path, device="cpu"):
 def load_checkpoint(path, device="cpu", expect=None):
     """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match.
     ckpt["file_sha1"] identifies the file's bytes."""
+    if Path(path).is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is a folder; pass the ckpt.pt in it")
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
     ck, sha1 = read_checkpoint(path, device)
