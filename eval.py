@@ -326,6 +326,10 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
         actions = np.asarray(policy.act([frame_fn(o) for o in obs], list(instr)))  # [n, Da]
         if actions.ndim != 2 or actions.shape[0] != n:
             raise ValueError(f"policy.act returned shape {actions.shape}, expected [{n}, action_dim]")
+        bad = np.flatnonzero(~np.isfinite(actions[active]).all(1))
+        if len(bad):  # MuJoCo and the embedded env would clip or propagate NaN without a word
+            i = np.flatnonzero(active)[bad[0]]
+            raise ValueError(f"policy.act returned NaN/inf actions (row {i}: {ep[i]}, frame {frame[i]})")
         if video:
             for i in np.flatnonzero(active):
                 frames_video[i].append(obs[i]["agentview_rgb"][::-1, ::-1])  # upright [H, W, 3]

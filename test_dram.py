@@ -1736,6 +1736,29 @@ def test_video_frames_are_upright():
         np.testing.assert_array_equal(f, u)
 
 
+def test_non_finite_actions_stop_the_rollout():
+    """A policy that returns NaN is an error naming the row, episode and frame (the envs would clip NaN silently);
+    an idle row's discarded action is not checked."""
+
+    class NaNAt(RecordingPolicy):
+        def act(self, frames, instructions):
+            a = super().act(frames, instructions)
+            a[[f["ep"] == (1, 0) and f["t"] == 2 for f in frames]] = np.nan
+            return a
+
+    with pytest.raises(ValueError, match=r"NaN/inf actions \(row 1: \(1, 0\), frame 2\)"):
+        ev.run_episodes(ev.EnvSlots(toy_make, 2), NaNAt(), [(0, 0), (1, 0)], frame_fn=identity)
+
+    class NaNWhenIdle(RecordingPolicy):
+        def act(self, frames, instructions):
+            a = super().act(frames, instructions)
+            a[[f["ep"] == (0, 0) and f["t"] >= 3 for f in frames]] = np.nan  # (0, 0) ends at step 3
+            return a
+
+    recs = ev.run_episodes(ev.EnvSlots(toy_make, 2), NaNWhenIdle(), [(0, 0), (1, 1)], frame_fn=identity)
+    assert sorted((r["task_id"], r["steps"]) for r in recs) == [(0, 3), (1, 12)]
+
+
 def test_memory_reset_rows_frames():
     f = np.arange(20)
     np.testing.assert_array_equal(np.flatnonzero(ev.memory_reset_rows(f, 0)), [0])
