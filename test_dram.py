@@ -2651,8 +2651,10 @@ def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monke
     ev.evaluate_memory_suite([str(tmp_path / "ckpt48.pt")], episodes=1, tasks=[0], out=str(tmp_path / "ev"),
                              num_envs=1)
     assert seen == [(48, 48, 3)]
+    c["suite"] = "libero_10"  # as if trained on LIBERO demos of 48 x 48 pixels
+    torch.save(c, tmp_path / "libero48.pt")
     with pytest.raises(SystemExit, match=r"trained on 48 x 48 frames.*--image-size 48"):
-        ev.main(["--suite", "libero_10", "--ckpt", str(tmp_path / "ckpt48.pt"), "--out", str(tmp_path / "lib")])
+        ev.main(["--suite", "libero_10", "--ckpt", str(tmp_path / "libero48.pt"), "--out", str(tmp_path / "lib")])
 
 
 def test_train_quick_eval_is_redone_for_a_new_run(tmp_path):
