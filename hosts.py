@@ -124,8 +124,7 @@ class FrozenTower(nn.Module):
             # would leave the tower at its random initialisation without an error, so compare against that
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                init = timm.create_model(cfg.vision, pretrained=False, num_classes=0,
-                                         **({"img_size": kw["img_size"]} if "img_size" in kw else {})).state_dict()
+                init = timm.create_model(cfg.vision, **{**kw, "pretrained": False}).state_dict()
             loaded = self.model.state_dict()
             drawn = [n for n, v in init.items() if v.is_floating_point() and v.numel() > 1 and v.std() > 0]  # random
             kept = [n for n in drawn if torch.equal(init[n], loaded[n])]
