@@ -97,6 +97,8 @@ class FrozenTower(nn.Module):
         kw = dict(pretrained=cfg.pretrained, num_classes=0)
         if cfg.weights_file:
             kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=cfg.weights_file))
+        if not timm.is_model(cfg.vision):
+            raise ValueError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
         probe = timm.create_model(cfg.vision, pretrained=False, num_classes=0)
         self.is_vit = hasattr(probe, "patch_embed")
         if self.is_vit:

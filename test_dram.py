@@ -1002,6 +1002,8 @@ def test_host_errors_are_clear():
         HostConfig(memory="lstm")
     with pytest.raises(ValueError, match="--host must be one of dit, vla; got 'rnn'"):
         make_host("rnn", HostConfig())
+    with pytest.raises(ValueError, match=r"--vision vit_huge_typo: not a timm model name"):
+        make_host("dit", HostConfig(vision="vit_huge_typo"))
     with pytest.raises(KeyError, match="missing camera"):
         host.encode({"agentview_rgb": torch.zeros(1, 32, 32, 3, dtype=torch.uint8)})
 
