@@ -695,7 +695,8 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=7, help="env.seed(seed) of every environment (openpi: 7)")
     p.add_argument("--reset-every", type=int, default=0, help="clear all memory every L observation frames "
                    "(the reset-interval ablation; 0 = only between episodes)")
-    p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (>1: worker processes)")
+    p.add_argument("--num-envs", type=int, default=1, help="environments stepped together (LIBERO: >1 runs worker "
+                   "processes; the embedded suite steps at least 16 in this process)")
     p.add_argument("--image-size", type=int, default=None, help="LIBERO render size (default 128); must match the "
                    "training frames")
     p.add_argument("--ckpt", action="append", default=None, help="train.py checkpoint (give it twice to compare "
