@@ -517,17 +517,18 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
     sub-folder per checkpoint when there are several), by default next to each checkpoint. Returns {ckpt: summary}."""
     ids = list(range(len(MEMORY_TASK_NAMES))) if tasks is None else list(tasks)
     task_list = [(i, MEMORY_TASK_NAMES[i], data.MEMORY_TASKS[MEMORY_TASK_NAMES[i]][1]) for i in ids]
-    summaries = {}
-    for i, ck in enumerate(map(str, ckpts)):
+    summaries, ckpts = {}, [str(ck) for ck in ckpts]
+    policies = [CheckpointPolicy(ck, device, replan, cuda_graphs) for ck in ckpts]  # every file checked first
+    for ck, policy in zip(ckpts, policies):
+        if policy.suite not in (None, "memory"):
+            raise ValueError(f"{ck} was trained on {policy.suite}; the embedded suite needs a checkpoint trained with "
+                             f"--suite memory")
+    for i, (ck, policy) in enumerate(zip(ckpts, policies)):
         ck_dir = os.path.dirname(os.path.abspath(ck))
         if out is None:
             where = os.path.join(ck_dir, f"eval_memory_L{reset_every}")
         else:
             where = out if len(ckpts) == 1 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
-        policy = CheckpointPolicy(ck, device, replan, cuda_graphs)
-        if policy.suite not in (None, "memory"):
-            raise ValueError(f"{ck} was trained on {policy.suite}; the embedded suite needs a checkpoint trained with "
-                             f"--suite memory")
         run = dict(policy=os.path.abspath(ck), checkpoint_sha1=policy.sha1, seed=seed, reset_every=reset_every,
                    replan=replan)
         size = policy.frame_size[0] if policy.frame_size else 64  # rendered as the training demos were

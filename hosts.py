@@ -76,7 +76,7 @@ class HostConfig:
                       ("write_source", ("native_kv", "hidden", "last_hidden"))):
             if getattr(self, k) not in ok:
                 raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(ok)}; got {getattr(self, k)!r}")
-        if self.d_model % self.head_heads:  # the head's attention splits d_model into head_heads equal parts
+        if self.host == "dit" and self.d_model % self.head_heads:  # the DiT head splits d_model into head_heads
             raise ValueError(f"HostConfig.d_model = {self.d_model} (train.py --d-model) must be a multiple of "
                              f"head_heads = {self.head_heads}")
 
@@ -97,7 +97,7 @@ class FrozenTower(nn.Module):
         kw = dict(pretrained=cfg.pretrained, num_classes=0)
         if cfg.weights_file:
             kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=cfg.weights_file))
-        if not timm.is_model(cfg.vision):
+        if ":" not in cfg.vision and not timm.is_model(cfg.vision):  # (hf-hub: / local-dir: names are timm's too)
             raise ValueError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
         probe = timm.create_model(cfg.vision, pretrained=False, num_classes=0)
         self.is_vit = hasattr(probe, "patch_embed")
@@ -113,11 +113,11 @@ class FrozenTower(nn.Module):
             try:
                 self.model = timm.create_model(cfg.vision, **kw)
             except Exception as e:
-                if not kw["pretrained"]:
-                    raise
                 if cfg.weights_file:
                     raise ValueError(f"--weights-file {cfg.weights_file}: cannot load it into {cfg.vision} "
                                      f"({type(e).__name__}: {e})") from e
+                if not (kw["pretrained"] and isinstance(e, OSError)):  # OSError: hub download / connection errors
+                    raise
                 raise RuntimeError(f"{cfg.vision}: the pretrained weights could not be fetched from the timm hub "
                                    f"({type(e).__name__}: {e}); offline, download them elsewhere and pass "
                                    f"--weights-file, or train without them (--no-pretrained)") from e

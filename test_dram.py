@@ -678,6 +678,15 @@ def test_tower_loads_a_local_weights_file(tmp_path, monkeypatch):
     monkeypatch.setattr(timm, "create_model", offline)
     with pytest.raises(RuntimeError, match=r"could not be fetched from the timm hub .*pass --weights-file"):
         hosts.FrozenTower(HostConfig(image_size=32, pretrained=True))
+    monkeypatch.setattr(timm, "create_model", real)
+    with pytest.raises(RuntimeError, match=r"No pretrained weights exist") as e:  # not a download problem
+        hosts.FrozenTower(HostConfig(vision="vit_base_patch16_gap_224", image_size=32, pretrained=True))
+    assert "timm hub" not in str(e.value)
+    # timm's own offline route: a folder written by save_for_hf, named local-dir:<path>
+    from timm.models._hub import save_for_hf
+    save_for_hf(timm.create_model("vit_tiny_patch16_224", pretrained=False), str(tmp_path / "ld"))
+    tower = hosts.FrozenTower(HostConfig(vision=f"local-dir:{tmp_path / 'ld'}", image_size=32, pretrained=True))
+    assert tower.width == 192
 
 
 @pytest.mark.parametrize("kind,ws", HOST_KINDS)
@@ -2136,6 +2145,7 @@ def test_bench_trains_with_train_py_optimizer(memory):
         for p in g["params"]:
             assert g["weight_decay"] == (defaults.weight_decay if p.dim() >= 2 else 0.0)
             assert g["lr_mult"] == (defaults.mem_lr_mult if id(p) in mem else 1.0)
+            assert g["lr"] == pytest.approx(train.DEFAULTS["lr"] * g["lr_mult"])  # bench never calls set_lr
     assert len(opt.param_groups) == (4 if mem else 2) and opt.defaults["betas"] == (0.9, 0.95)
 
 
@@ -2174,7 +2184,7 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "0"], "--save-every must be >= 1"),
     (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file"),
     (["--lr", "inf"], "--lr must be a finite number > 0, got inf"), (["--lr", "-1"], "--lr must be a finite number > 0"),
-    (["--clip", "0"], "--clip must be a finite number > 0, got 0.0"),
+    (["--clip", "0"], "--clip must be > 0 (inf: no clipping), got 0.0"), (["--clip", "nan"], "--clip must be > 0"),
     (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
     (["--mem-lr-mult", "-2"], "--mem-lr-mult must be a finite number >= 0, got -2.0"),
     (["--warmup", "-3"], "--warmup must be >= 0, got -3"), (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
@@ -2185,6 +2195,14 @@ def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         train.get_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_edge_train_arguments_are_accepted():
+    """What the checks must let through: no clipping (--clip inf), a frozen memory (--mem-lr-mult 0), no weight
+    decay, and any --d-model for the vla host, whose head does not use it."""
+    a = train.get_args(["--clip", "inf", "--mem-lr-mult", "0", "--weight-decay", "0", "--warmup", "0", "--seed", "0"])
+    assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
+    assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path, monkeypatch):
@@ -2521,6 +2539,8 @@ def test_bad_checkpoint_files_are_named(trained, tmp_path):
         ev.CheckpointPolicy(other)
     with pytest.raises(FileNotFoundError, match="missing.pt does not exist"):
         ev.CheckpointPolicy(tmp_path / "missing.pt")
+    c, _ = train.read_checkpoint(ck)  # on the CPU: a device problem is the device's error, not the file's
+    assert all(v.device.type == "cpu" for v in c["model"].values())
     with pytest.raises(FileNotFoundError, match=r"is a folder; pass the ckpt.pt in it"):
         ev.CheckpointPolicy(tmp_path)
     # a checkpoint of another suite knows other instructions: refused by name before any episode runs
@@ -2528,7 +2548,8 @@ def test_bad_checkpoint_files_are_named(trained, tmp_path):
     c["suite"] = "libero_10"
     torch.save(c, tmp_path / "libero.pt")
     with pytest.raises(ValueError, match=r"libero.pt was trained on libero_10; the embedded suite needs"):
-        ev.evaluate_memory_suite([str(tmp_path / "libero.pt")], episodes=1, out=str(tmp_path / "ev"))
+        ev.evaluate_memory_suite([ck, str(tmp_path / "libero.pt")], episodes=1, out=str(tmp_path / "ev"))
+    assert not (tmp_path / "ev").exists()  # refused before the first checkpoint's episodes ran
     with pytest.raises(SystemExit, match=r"was trained on the embedded suite; evaluate it with --suite memory"):
         ev.main(["--suite", "libero_10", "--ckpt", ck, "--out", str(tmp_path / "ev2")])
     (tmp_path / "run").mkdir()

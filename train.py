@@ -99,11 +99,12 @@ def get_args(argv=None):
               "d_model", "head_blocks", "vla_layers", "flow_steps"):
         if getattr(a, k) is not None and getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
-    for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False),
-                          ("clip", 0.0, True)):
+    for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
         if v is not None and not (math.isfinite(v) and (v > lo if strict else v >= lo)):
             p.error(f"--{k.replace('_', '-')} must be a finite number {'>' if strict else '>='} {lo:g}, got {v}")
+    if not a.clip > 0:  # inf: no clipping
+        p.error(f"--clip must be > 0 (inf: no clipping), got {a.clip}")
     for k in ("warmup", "eval_episodes"):
         if getattr(a, k) < 0:
             p.error(f"--{k.replace('_', '-')} must be >= 0, got {getattr(a, k)}")
@@ -190,20 +191,28 @@ def save_checkpoint(path, obj):
     os.replace(tmp, path)
 
 
-def read_checkpoint(path, device="cpu"):
-    """-> (ckpt dict, sha1 of the file's bytes). The bytes are read once, so the sha1 names exactly what was loaded.
-    A file that is not a train.py checkpoint (truncated, another format, another program's dict) raises
-    data.DataError naming it, instead of an unpickling error from deep inside torch.load."""
+def nonfinite(named_tensors):
+    """Names of the floating-point tensors holding NaN/inf (one host sync for all of them)."""
+    named = [(n, v) for n, v in named_tensors if torch.is_floating_point(v)]
+    ok = torch.stack([torch.isfinite(v).all() for _, v in named]).tolist() if named else []
+    return [n for (n, _), good in zip(named, ok) if not good]
+
+
+def read_checkpoint(path):
+    """-> (ckpt dict on the CPU, sha1 of the file's bytes). The bytes are read once, so the sha1 names exactly what
+    was loaded; load_state_dict moves the weights to the host's device. A file that is not a train.py checkpoint
+    (truncated, another format, another program's dict, NaN/inf weights) raises data.DataError naming it, instead
+    of an unpickling error from deep inside torch.load."""
     raw = Path(path).read_bytes()
     sha1 = hashlib.sha1(raw).hexdigest()[:16]
     try:
-        ck = torch.load(io.BytesIO(raw), map_location=device, weights_only=False)
+        ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
     except Exception as e:
         raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
     for k in ("config", "model", "stats"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
-    bad = [k for k, v in ck["model"].items() if torch.is_floating_point(v) and not torch.isfinite(v).all()]
+    bad = nonfinite(ck["model"].items())
     if bad:
         raise data.DataError(f"{path}: the weights {bad[:3]} hold NaN/inf; this checkpoint cannot act or resume")
     return ck, sha1
@@ -216,7 +225,7 @@ def load_checkpoint(path, device="cpu", expect=None):
         raise FileNotFoundError(f"checkpoint {path} is a folder; pass the ckpt.pt in it")
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
-    ck, sha1 = read_checkpoint(path, device)
+    ck, sha1 = read_checkpoint(path)
     cfg = HostConfig(**ck["config"])
     for k, v in (expect or {}).items():
         if getattr(cfg, k) != v:
@@ -339,7 +348,8 @@ def make_optimizer(host, lr, weight_decay, mem_lr_mult, capturable=False):
     groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
                    weight_decay=weight_decay if is_matrix else 0.0, lr_mult=mem_lr_mult if is_mem else 1.0)
               for is_mem in (False, True) for is_matrix in (True, False)]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([dict(g, lr=lr * g["lr_mult"]) for g in groups if g["params"]], lr=lr,
+                            betas=(0.9, 0.95))
     set_capturable(opt, capturable, next(iter(params)).device)
     return opt
 
@@ -511,7 +521,7 @@ def main(argv=None):
     def checkpoint():
         """Every rank contributes its sampler position, memory state and RNG; rank 0 writes. Weights that are no
         longer finite are not written: the last good checkpoint stays."""
-        bad = [n for n, p in host.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+        bad = nonfinite((n, p) for n, p in host.named_parameters() if p.requires_grad)
         if bad:
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
