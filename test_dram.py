@@ -2197,6 +2197,13 @@ def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_train_out_that_is_a_file_is_refused_at_once(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        train.get_args(["--out", str(tmp_path / "f")])
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
 def test_edge_train_arguments_are_accepted():
     """What the checks must let through: no clipping (--clip inf), a frozen memory (--mem-lr-mult 0), no weight
     decay, and any --d-model for the vla host, whose head does not use it."""

@@ -132,6 +132,8 @@ def get_args(argv=None):
     a.pretrained = lib if a.pretrained is None else a.pretrained
     a.mem_depth = a.mem_depth or (2 if lib else 1)
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
+    if Path(a.out).exists() and not Path(a.out).is_dir():  # otherwise found only at the first checkpoint save
+        p.error(f"--out {a.out} is a file, not a folder")
     return a
 
 
