@@ -1118,7 +1118,8 @@ def _corrupt(tmp_path, fn):
     # float64 beyond float32's range is inf once training casts it
     (lambda f: f["data/demo_0/actions"].__setitem__((3, 0), 1e39),
      r"data/demo_0/actions has NaN/inf or values beyond float32's range \(first at frame 3\)"),
-    (lambda f: (f["data/demo_0"].__delitem__("actions"), f["data/demo_0"].create_dataset("actions", shape=(4, 0))),
+    (lambda f: (f["data/demo_0"].__delitem__("actions"),
+                f["data/demo_0"].create_dataset("actions", shape=(4, 0), dtype="f8")),
      r"data/demo_0/actions must be \[T, Da\] with Da >= 1, got shape \(4, 0\)"),
     (lambda f: (f["data/demo_0"].__delitem__("actions"), f["data/demo_0"].create_group("actions")),
      r"data/demo_0/actions is missing \(a group, not an array\)"),
@@ -1870,9 +1871,11 @@ def test_jsonl_resume_and_guards(tmp_path):
         ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run, frame_fn=identity)
     # Valid JSON that is not an episode record (another tool's log in the same folder) is refused by line.
     lines = log.read_text().splitlines()[:7]
-    for bad, what in (("[1, 2]", "suite', 'task_id', 'trial', 'success"), ('{"suite": "toy", "task_id": 0}', "trial', 'success")):
+    for bad, what in (("[1, 2]", "suite', 'task_id', 'trial', 'success"),
+                      ('{"suite": "toy", "task_id": 0}', "trial', 'success")):
         log.write_text("\n".join(lines + [bad]) + "\n")
-        with pytest.raises(ValueError, match=rf"episodes\.jsonl:8 is not an episode record of eval.py \(no \['{what}'\]\)"):
+        with pytest.raises(ValueError, match=rf"episodes\.jsonl:8 is not an episode record of eval.py "
+                                             rf"\(no \['{what}'\]\)"):
             ev.evaluate("toy", tasks, 3, RecordingPolicy(), ev.EnvSlots(make, 1), str(tmp_path), run,
                         frame_fn=identity)
 
@@ -2183,7 +2186,8 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "0"], "--save-every must be >= 1"),
     (["--episodes", "0"], "--episodes must be >= 1"), (["--weights-file", "nowhere.pt"], "nowhere.pt: no such file"),
-    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"), (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
     (["--clip", "0"], "--clip must be > 0 (inf: no clipping), got 0.0"), (["--clip", "nan"], "--clip must be > 0"),
     (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
     (["--mem-lr-mult", "-2"], "--mem-lr-mult must be a finite number >= 0, got -2.0"),
