@@ -869,7 +869,7 @@ def part4(args, device, rep):
 PARTS = {1: part1, 2: part2, 3: part3, 4: part4}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="smaller grid, shorter timings (< 2 min on 2 CPU cores)")
@@ -880,7 +880,7 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--sizes", default=None, help="host sizes of parts 3-4, comma-separated, from "
                    f"{','.join(HOST_SIZES)} (default: all on CUDA, libero,embedded on the CPU)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     try:
         parts = sorted({int(s) for s in args.parts.split(",") if s.strip()})
     except ValueError:
@@ -893,6 +893,9 @@ def main():
             p.error(f"--sizes: no host size {s!r}; sizes are {list(HOST_SIZES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
+    for k in ("min_run_time", "rounds", "threads"):
+        if getattr(args, k) is not None and not getattr(args, k) > 0:
+            p.error(f"--{k.replace('_', '-')} must be > 0, got {getattr(args, k)}")
     given = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("min_run_time", "rounds") if getattr(args, k)]
     if args.min_run_time is None:
         args.min_run_time = 0.3 if args.quick else 1.0

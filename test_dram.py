@@ -298,6 +298,18 @@ def test_bench_baselines_compute_the_joint_write():
                     assert (a - b).abs().max() < 1e-9, (fn.__name__, i)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "--rounds must be > 0, got 0"), (["--min-run-time", "-1"], "--min-run-time must be > 0"),
+    (["--threads", "0"], "--threads must be > 0"), (["--parts", "5"], "--parts: no part 5"),
+    (["--sizes", "huge"], "--sizes: no host size 'huge'")])
+def test_bad_bench_arguments_are_clear_errors(argv, message, capsys):
+    """Refused before anything is timed (before: --rounds 0 was a ZeroDivisionError after the first timing)."""
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
     """The k-frame baseline conditions the head as the memoryless host does, plus one learned embedding per frame
     age: with that embedding zeroed, k = 1 gives exactly the host's own tokens (camera and patch-position
