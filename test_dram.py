@@ -298,6 +298,14 @@ def test_bench_baselines_compute_the_joint_write():
                     assert (a - b).abs().max() < 1e-9, (fn.__name__, i)
 
 
+def usage_error(main, argv, capsys):
+    """What a script's argument check prints when it refuses argv (argparse: exit status 2 and a message)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rounds", "0"], "--rounds must be > 0, got 0"), (["--min-run-time", "-1"], "--min-run-time must be > 0"),
     (["--threads", "0"], "--threads must be > 0"), (["--parts", "5"], "--parts: no part 5"),
@@ -305,9 +313,7 @@ def test_bench_baselines_compute_the_joint_write():
 def test_bad_bench_arguments_are_clear_errors(argv, message, capsys):
     """Refused before anything is timed (before: --rounds 0 was a ZeroDivisionError after the first timing)."""
     import bench
-    with pytest.raises(SystemExit):
-        bench.main(argv)
-    assert message in capsys.readouterr().err
+    assert message in usage_error(bench.main, argv, capsys)
 
 
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
@@ -1208,9 +1214,8 @@ def test_unreadable_demo_file_is_named(tmp_path, reader):
 def test_bad_data_arguments_are_clear_errors(tmp_path, argv, message, capsys):
     """python data.py: refused before any file is written (before: six empty demo files, or h5py's chunk error
     with a half-written .tmp file left behind)."""
-    with pytest.raises(SystemExit):
-        data.main(["--out", str(tmp_path)] + argv)
-    assert message in capsys.readouterr().err and not any(tmp_path.rglob("*"))
+    assert message in usage_error(data.main, ["--out", str(tmp_path)] + argv, capsys)
+    assert not any(tmp_path.rglob("*"))
 
 def test_missing_data_dir_explains_download(tmp_path):
     with pytest.raises(data.DataError, match=r"libero_10 does not exist.*download_libero_datasets.py.*"
@@ -2208,16 +2213,12 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     (["--d-model", "30"], "HostConfig.d_model = 30 (train.py --d-model) must be a multiple of head_heads = 4")])
 def test_bad_train_arguments_are_clear_errors(argv, message, capsys):
     """Refused before anything runs (no demos generated, no run folder), naming the argument."""
-    with pytest.raises(SystemExit):
-        train.get_args(argv)
-    assert message in capsys.readouterr().err
+    assert message in usage_error(train.get_args, argv, capsys)
 
 
 def test_train_out_that_is_a_file_is_refused_at_once(tmp_path, capsys):
     (tmp_path / "f").write_text("")
-    with pytest.raises(SystemExit):
-        train.get_args(["--out", str(tmp_path / "f")])
-    assert "is a file, not a folder" in capsys.readouterr().err
+    assert "is a file, not a folder" in usage_error(train.get_args, ["--out", str(tmp_path / "f")], capsys)
 
 
 def test_edge_train_arguments_are_accepted():
@@ -2635,9 +2636,7 @@ def graphed_vs_eager_policy(ck):
 def test_bad_eval_arguments_are_clear_errors(argv, message, capsys):
     """Refused before a checkpoint is loaded or an environment built, naming the argument (before: an IndexError,
     a task evaluated twice, a settings flag silently ignored, a good checkpoint blamed for a --device typo)."""
-    with pytest.raises(SystemExit):
-        ev.get_args(argv)
-    assert message in capsys.readouterr().err
+    assert message in usage_error(ev.get_args, argv, capsys)
 
 
 def test_embedded_suite_writes_videos(trained, tmp_path, monkeypatch):
