@@ -417,12 +417,15 @@ class DRAMLayer(nn.Module):
         m = torch.ones(*lead, N, device=x_k.device, dtype=z_k.dtype) if kv_mask is None else kv_mask.to(z_k.dtype)
         g_bar = (z_k * m[..., None]).sum(-2) / m.sum(-1, keepdim=True).clamp(min=1.0)  # [*, D_K] mask-aware mean
         # gates in >= fp32, also their linear maps under bf16 autocast: a retention bias near -7 (dt ~ 1e-3) rounds
-        # to steps of 0.03 in bf16, a 1.5 % error in the decay rate that compounds over an episode
+        # to steps of 0.03 in bf16, a 1.5 % error in the decay rate that compounds over an episode. The weights are
+        # cast too, so a layer cast to bf16 as a whole (model.bfloat16()) runs as well (its weights, already
+        # rounded, carry that error; keep the gates' weights in fp32 if the host allows it)
         gdt = torch.promote_types(z_k.dtype, torch.float32)
         amp = torch.is_autocast_enabled(x_k.device.type)
+        lin = lambda f, x: F.linear(x.to(gdt), f.weight.to(gdt), f.bias.to(gdt))
         with torch.autocast(x_k.device.type, enabled=False) if amp else nullcontext():
-            decay = self.a_log.exp() * F.softplus(self.retention(g_bar.to(gdt)))  # [*, H]
-            beta = torch.sigmoid(self.write_gate(z_k.to(gdt)))  # [*, N, H]
+            decay = self.a_log.to(gdt).exp() * F.softplus(lin(self.retention, g_bar))  # [*, H]
+            beta = torch.sigmoid(lin(self.write_gate, z_k))  # [*, N, H]
         gamma = torch.exp(-decay)  # eq. (retention), in (0, 1)
         w = write_weights(beta, None if kv_mask is None else kv_mask[..., None], self.cfg.beta_cap)  # [*, N, H]
         return Q.transpose(-3, -2), K.transpose(-3, -2), V.transpose(-3, -2), w.transpose(-2, -1), gamma

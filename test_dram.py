@@ -5,6 +5,7 @@ independent computation; float64 wherever the paper claims exactness.
 Run: python -m pytest -q
 """
 import argparse
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -577,6 +578,35 @@ def test_layer_bf16_autocast_keeps_fp32_state():
     assert (s16 - s32).norm() / s32.norm() < 5e-2
     assert torch.isfinite(y16).all()
 
+
+
+def test_layer_and_stack_cast_to_bf16_run_with_fp32_gates_and_state():
+    """A module cast as a whole (model.bfloat16(), as bf16 policies are deployed) runs window and step: the gates'
+    linear maps are computed in fp32 from the bf16 weights, the state stays fp32, and the output follows the fp32
+    module that holds the same (bf16-rounded) weights."""
+    torch.manual_seed(3)
+    for mod in (trained_like(DRAMLayer(small_cfg(d_k=24, d_v=24))),
+                DRAMStack(small_cfg(d_k=24, d_v=24, mixer=True, mixer_heads=2), depth=2)):
+        if isinstance(mod, DRAMStack):
+            for l in mod.layers:
+                trained_like(l)
+        m16 = copy.deepcopy(mod).bfloat16()
+        m32 = copy.deepcopy(m16).float()  # the same rounded weights in fp32
+        x = torch.randn(2, 4, 7, 24).bfloat16()
+        S0 = m16.init_state(2)
+        args = (x, x, x, S0) if isinstance(mod, DRAMLayer) else (x, S0)
+        args32 = tuple(a.float() for a in args)
+        out16, out32 = m16(*args), m32(*args32)
+        y16, s16, y32, s32 = out16[0], out16[-1], out32[0], out32[-1]
+        assert y16.dtype == torch.bfloat16 and s16.dtype == torch.float32
+        assert (y16.float() - y32).norm() / y32.norm() < 2e-2 and (s16 - s32).norm() / s32.norm() < 5e-2
+        if isinstance(mod, DRAMLayer):
+            _, _, _, w16, g16 = m16.project(x[:, 0], x[:, 0], x[:, 0])
+            assert w16.dtype == g16.dtype == torch.float32
+            st = m16.step(x[:, 0], x[:, 0], x[:, 0], S0)
+        else:
+            st = m16.step(x[:, 0], S0)
+        assert st[-1].dtype == torch.float32 and torch.isfinite(st[-1]).all()
 
 def test_fixed_size_state_long_unroll():
     torch.manual_seed(4)
