@@ -1,5 +1,5 @@
 """
-DRAM: Delta-rule Recurrent Associative Memory (the math, self-contained: torch + math only).
+DRAM: Delta-rule Recurrent Associative Memory (the math, self-contained: torch >= 2.4 + math only).
 
 Read this file next to the paper (DRAM-paper.tex). Equation names below are the paper's labels:
   (projections)  Q = Norm(LN(X^Q) W_Q), K = Norm(LN(X^K) W_K), V = LN(X^V) W_V        Sec. 3.1

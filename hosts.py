@@ -95,8 +95,8 @@ class FrozenTower(nn.Module):
     def __init__(self, cfg: HostConfig):
         super().__init__()
         kw = dict(pretrained=cfg.pretrained, num_classes=0)
-        if cfg.weights_file:
-            kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=cfg.weights_file))
+        if cfg.weights_file:  # custom_load off: timm 1.0.24 and older read any file of an .npz model (vit_tiny) as .npz
+            kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=cfg.weights_file, custom_load=False))
         if ":" not in cfg.vision and not timm.is_model(cfg.vision):  # (hf-hub: / local-dir: names are timm's too)
             raise ValueError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
         probe = timm.create_model(cfg.vision, pretrained=False, num_classes=0)
