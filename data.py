@@ -671,8 +671,11 @@ def _seg_dist(p, a, b):
 
 class MemoryEnv:
     """One embedded task. reset(seed=None) -> raw obs; step(action [3]) -> (obs, success: bool, done: bool).
-    done is True on success, failure (wrong touch / wrong count) or at max_steps. Obs keys = the shared raw format
-    (images upside down like LIBERO). expert_action() is the scripted expert (privileged, noise-free)."""
+    done is True on success, failure (wrong touch / wrong count) or at max_steps; `outcome` then says which (None
+    while the episode runs): "success", "timeout", a cue task's "wrong_block", a pad task's "distractor",
+    "over_count" (touched the target more than n times) or "pad_press" (pressed the pad after fewer than n touches);
+    `count` is the number of target touches so far. Obs keys = the shared raw format (images upside down like
+    LIBERO). expert_action() is the scripted expert (privileged, noise-free)."""
 
     def __init__(self, task, seed=0, img_size=64):
         if task not in MEMORY_TASKS:
@@ -722,6 +725,7 @@ class MemoryEnv:
                 raise ValueError(f"{self.task}: cue={cue} out of range [0, {self.p['k']})")
             self.cue = int(cue)
         self.t, self.count, self.armed, self.in_home, self.done, self.success = 0, 0, True, True, False, False
+        self.outcome = None
         self.reached = False  # reached the target's centre since the last touch (used by the expert only)
         return self._obs()
 
@@ -736,9 +740,11 @@ class MemoryEnv:
             hit = self._touched()
             if hit is not None:
                 self.done, self.success = True, hit == self.cue
+                self.outcome = "success" if self.success else "wrong_block"
         else:
             if a[2] > 0 and np.linalg.norm(self.pos - self.home) < HOME_R:  # press the pad = finish
                 self.done, self.success = True, self.count == self.p["n"]
+                self.outcome = "success" if self.success else "pad_press"
             else:
                 self._move(a)
                 inside = np.linalg.norm(self.pos - self.home) < HOME_R
@@ -749,14 +755,14 @@ class MemoryEnv:
                 if hit == 0 and self.armed:
                     self.count, self.armed = self.count + 1, False
                     if self.count > self.p["n"]:
-                        self.done = True  # over-count cannot succeed any more
+                        self.done, self.outcome = True, "over_count"  # cannot succeed any more
                 elif hit == 1:  # the distractor
-                    self.done = True
+                    self.done, self.outcome = True, "distractor"
                 if not self.armed and np.linalg.norm(self.pos - self.objs[0]) < REACH_R:
                     self.reached = True  # (bookkeeping for the expert; no effect on the task)
         self.t += 1
-        if self.t >= self.max_steps:
-            self.done = True
+        if self.t >= self.max_steps and not self.done:
+            self.done, self.outcome = True, "timeout"
         return self._obs(), self.success, self.done
 
     def _move(self, a):

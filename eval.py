@@ -335,14 +335,16 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
                 frames_video[i].append(obs[i]["agentview_rgb"][::-1, ::-1])  # upright [H, W, 3]
         finished = []
         for i, res in slots.step({int(i): actions[i] for i in np.flatnonzero(active)}).items():
-            # (obs, done): LIBERO, done = success; (obs, success, done): envs that also end on failure
-            o, success, done = (res[0], res[1], res[1]) if len(res) == 2 else res
+            # (obs, done): LIBERO, done = success; (obs, success, done[, info]): envs that also end on failure,
+            # info (a dict) is added to the episode's record when it ends
+            o, success, done = (res[0], res[1], res[1]) if len(res) == 2 else res[:3]
             obs[i] = o
             frame[i] += 1  # = number of policy steps taken in this episode
             if done or frame[i] >= max_steps[i]:
                 task_id, trial = ep[i]
                 rec = dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(success),
                            steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2))
+                rec.update(res[3] if len(res) == 4 else {})
                 records.append(rec)
                 if on_done is not None:
                     on_done(rec, frames_video[i] if video else None)
@@ -496,7 +498,8 @@ class MemorySuiteEnv:
         return self.env.reset(seed=[self.seed, self.task_id, trial])
 
     def step(self, action):
-        return self.env.step(np.asarray(action, np.float64))  # (obs, success, done)
+        obs, success, done = self.env.step(np.asarray(action, np.float64))
+        return obs, success, done, dict(outcome=self.env.outcome, touches=self.env.count)  # how it ended (log)
 
     def close(self):
         pass
@@ -555,6 +558,18 @@ def memory_table(summaries):
     mean_ceil = np.mean([data.MEMORYLESS_CEILING[r["task"]] for r in first])
     lines.append(f"| **mean** | **{pct(mean_ceil)}** | " + " | ".join(f"**{pct(summaries[n]['mean'])}**"
                                                                       for n in names) + " |")
+    # how the failed episodes ended (data.MemoryEnv.outcome); "untouched": before the first touch of the target
+    kinds = ["timeout", "wrong_block", "distractor", "pad_press", "over_count"]
+    lines += ["", "Failed episodes by how they ended:", "",
+              "| task | checkpoint | failures | " + " | ".join(kinds) + " | untouched |", "|---" * (4 + len(kinds)) + "|"]
+    for n in names:
+        for r in summaries[n]["tasks"]:
+            n_fail, f = r["episodes"] - r["successes"], r.get("failures", {})
+            pad = data.MEMORY_TASKS[r["task"]][0] == "pad"
+            known = sum(f.values()) == n_fail  # records of an older eval.py carry no outcome
+            lines.append(f"| {r['task']} | {n} | {n_fail} | "
+                         + " | ".join(str(f.get(k, 0)) if known else "?" for k in kinds)
+                         + f" | {(r.get('failures_untouched', 0) if known else '?') if pad else '-'} |")
     return "\n".join(lines)
 
 
@@ -614,8 +629,13 @@ def summarize(records, tasks):
     for task_id, name, _ in tasks:
         eps = [r for r in records if r["task_id"] == task_id]
         n_ok = sum(bool(r["success"]) for r in eps)
-        rows.append(dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok,
-                         success=n_ok / len(eps) if eps else None))
+        row = dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok,
+                   success=n_ok / len(eps) if eps else None)
+        fails = [r for r in eps if not r["success"] and "outcome" in r]  # envs that log how an episode ended
+        if fails:
+            row["failures"] = {k: sum(r["outcome"] == k for r in fails) for k in sorted({r["outcome"] for r in fails})}
+            row["failures_untouched"] = sum(r.get("touches") == 0 for r in fails)  # ended before touching the target
+        rows.append(row)
     rates = [r["success"] for r in rows if r["success"] is not None]
     return dict(tasks=rows, mean=float(np.mean(rates)) if rates else None,
                 episodes=sum(r["episodes"] for r in rows))

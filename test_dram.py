@@ -1539,10 +1539,12 @@ def test_memory_hidden_variable_not_observable():
 
 
 def test_memory_env_failures():
+    """Each way an episode can fail ends it without success, and env.outcome names it (eval.py logs it)."""
     env = data.MemoryEnv("round_trip_red")
     env.reset(seed=0)
+    assert env.outcome is None
     _, success, done = env.step([0, 0, 1])  # pressing the pad before the trip
-    assert done and not success
+    assert done and not success and env.outcome == "pad_press" and env.count == 0
     for armed_count, distractor in [(1, False), (0, True)]:
         env = data.MemoryEnv("round_trip_red")  # n = 1
         env.reset(seed=0)
@@ -1553,6 +1555,7 @@ def test_memory_env_failures():
         _, success, done = env.step([*(-0.5 * u), -1])  # ... one step of 0.04 lands at 0.08: a touch, off-centre
         assert np.linalg.norm(env.pos - obj) > data.REACH_R
         assert done and not success, (armed_count, distractor)  # a second counted touch / the distractor ends it
+        assert env.outcome == ("distractor" if distractor else "over_count")
         if not distractor:
             assert env.count == 2
     for task, n in (("count_2", 2), ("count_3", 3)):  # pressing the pad succeeds after exactly n counted touches
@@ -1562,12 +1565,21 @@ def test_memory_env_failures():
             env.pos, env.count = env.home.copy(), count
             _, success, done = env.step([0, 0, 1])
             assert done and success == (count == n), (task, count)
+            assert env.outcome == ("success" if count == n else "pad_press")
     env = data.MemoryEnv("cue_location")
     env.reset(seed=0)
     env.pos = env.objs[(env.cue + 1) % 3].copy()  # stand next to a wrong block
     env.t = data.FREEZE_STEPS
     _, success, done = env.step([0, 0, -1])
-    assert done and not success
+    assert done and not success and env.outcome == "wrong_block"
+    for task in ("cue_colour", "count_2"):  # standing still until the step limit
+        env = data.MemoryEnv(task)
+        env.reset(seed=0)
+        for t in range(env.max_steps):
+            assert env.outcome is None
+            _, success, done = env.step([0, 0, -1])
+        assert done and not success and env.outcome == "timeout"
+        assert data.rollout_expert(env, seed=0)["success"] and env.outcome == "success"
 
 
 def test_memory_suite_cues_are_counterbalanced(tmp_path):
@@ -2704,6 +2716,34 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
     torch.save(c, mine)
     with pytest.raises(ValueError, match="holds episodes of another checkpoint file"):
         ev.evaluate_memory_suite([str(mine)], episodes=1, tasks=[0], out=out2, num_envs=1)
+
+
+def test_embedded_suite_logs_how_episodes_fail(tmp_path):
+    """Each embedded episode's record says how it ended (data.MemoryEnv.outcome) and how often the target was
+    touched; the summary counts the failures by outcome and memory_table prints them, '?' for older records."""
+
+    class Presser:  # stands still and presses: a pad task ends at once (no touch), a cue task times out
+        def reset(self, rows, new_episode):
+            pass
+
+        def act(self, frames, instructions):
+            return np.tile([0.0, 0.0, 1.0], (len(frames), 1))
+
+    tasks = [(i, ev.MEMORY_TASK_NAMES[i], "") for i in (0, 2)]  # cue_colour, round_trip_red
+    slots = ev.EnvSlots(functools.partial(ev.make_memory_env, seed=7), 2)
+    s = ev.evaluate("memory", tasks, 3, Presser(), slots, str(tmp_path), dict(seed=7), quiet=True)
+    recs = [json.loads(l) for l in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    ends = {(r["task_id"], r["outcome"], r["touches"], r["steps"]) for r in recs}
+    assert ends == {(0, "timeout", 0, data.MAX_STEPS["cue_colour"]), (2, "pad_press", 0, 1)} and len(recs) == 6
+    assert [r.get("failures") for r in s["tasks"]] == [{"timeout": 3}, {"pad_press": 3}]
+    assert [r.get("failures_untouched") for r in s["tasks"]] == [3, 3]
+    table = ev.memory_table({"x": s})
+    assert "| cue_colour | x | 3 | 3 | 0 | 0 | 0 | 0 | - |" in table
+    assert "| round_trip_red | x | 3 | 0 | 0 | 0 | 3 | 0 | 3 |" in table
+    for r in recs:  # a log written before outcomes were recorded
+        del r["outcome"], r["touches"]
+    old = ev.summarize(recs, tasks)
+    assert "failures" not in old["tasks"][0] and "| round_trip_red | x | 3 | ? | ? | ? | ? | ? | ? |" in ev.memory_table({"x": old})
 
 
 def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monkeypatch):
