@@ -7,6 +7,7 @@ medians of torch.utils.benchmark.Timer.blocked_autorange after a warm-up (the Ti
   python bench.py --quick                       # all parts, < 2 min on 2 CPU cores
   python bench.py                               # full grid, < 10 min on 2 CPU cores
   python bench.py --device cuda --out results   # writes results.md and results.json
+  python bench.py --quick --parts 1,4 --profile # also where the time goes (torch.profiler, top ops by self time)
 
 Parts (sizes from the hosts' configurations: N in {64, 128, 392, 800} write tokens plus the DiT host's 129 / 257,
 dk = dv in {64, 128}, batch x heads P from 8 to 256):
@@ -78,6 +79,30 @@ def compare(fns, device, min_run_time, rounds=5, warmup=2):
         for name in names[r % len(names):] + names[: r % len(names)]:
             per[name].append(_block(fns[name], n[name], device))
     return {k: statistics.median(v) for k, v in per.items()}, per
+
+
+def profile_ops(fns, device, rep, title, calls=5, top=10):
+    """--profile: torch.profiler over `calls` calls of each fn {name: fn} after one warm-up call; one report section
+    per fn with its `top` ops by self time (the GPU's kernel time on CUDA, the CPU's time otherwise): where the time
+    of a timed candidate goes. The profiler's own overhead inflates small ops, so compare shares, not times."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, fn in fns.items():
+        fn()
+        sync(device)
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(calls):
+                fn()
+            sync(device)
+        ops = prof.key_averages()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        total = sum(getattr(e, key) for e in ops)  # microseconds over all calls
+        ops = sorted(ops, key=lambda e: getattr(e, key), reverse=True)[:top]
+        rows = [[e.key, f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}", f"{100 * getattr(e, key) / total:.1f}"]
+                for e in ops]
+        rows.append(["(all ops)", "", f"{total / calls / 1e3:.3f}", "100.0"])
+        rep.section(f"{title}: {name}", ["op", "calls per call", "self ms per call", "% of self time"], rows,
+                    note=f"torch.profiler, {calls} calls after a warm-up; self time on the "
+                    f"{'GPU' if device.type == 'cuda' else 'CPU'} (--profile).")
 
 
 def ratio(per, slow, fast):
@@ -243,9 +268,10 @@ def make_frame(P, N, dk, dv, device, seed=0):
     return [x.to(device) for x in (S, K, V, w, gamma)]
 
 
-def fwd_and_fwdbwd(fns, inputs, device, args):
+def fwd_and_fwdbwd(fns, inputs, device, args, rep=None, profile=None):
     """Interleaved timings of every fn(*inputs) in `fns` {name: fn}: forward (no_grad) and forward+backward, where
     the backward returns the gradients of all inputs (torch.autograd.grad: nothing accumulates between calls).
+    profile: a title; the forward+backward of each fn is then also profiled (profile_ops).
     Returns {"fwd": (medians, per-round), "fwdbwd": (medians, per-round)}."""
     leaves = [x.detach().requires_grad_(True) for x in inputs]
     g_out = torch.randn_like(next(iter(fns.values()))(*inputs))  # a fixed upstream gradient dL/dS_new
@@ -260,10 +286,13 @@ def fwd_and_fwdbwd(fns, inputs, device, args):
     def fb(fn):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, g_out)
 
-    return {
+    out = {
         "fwd": compare({k: fwd(f) for k, f in fns.items()}, device, args.min_run_time, args.rounds),
         "fwdbwd": compare({k: fb(f) for k, f in fns.items()}, device, args.min_run_time, args.rounds),
     }
+    if profile:
+        profile_ops({k: fb(f) for k, f in fns.items() if k != "sequential"}, device, rep, profile)
+    return out
 
 
 def graphed_fwdbwd(fn, inputs, device):
@@ -303,7 +332,9 @@ def part1(args, device, rep):
         }
         if N > seq_max_n:
             del fns["sequential"]
-        res = fwd_and_fwdbwd(fns, make_frame(P, N, dk, dv, device), device, args)
+        prof = (f"Profile of joint_write fwd+bwd and its autograd baselines (N={N}, dk={dk}, P={P})"
+                if args.profile and (N, dk, P) == (129, 64, 32) else None)
+        res = fwd_and_fwdbwd(fns, make_frame(P, N, dk, dv, device), device, args, rep, prof)
         t_f, t_b = res["fwd"][0]["joint"], res["fwdbwd"][0]["joint"]
         flops = joint_write_flops(P, N, dk, dv, woodbury=N < dk)
         gf = flops / t_f / 1e9
@@ -760,6 +791,9 @@ def part4(args, device, rep):
                       for k, h in (("dram", dram_host), ("none", none_host))}
         med, per = compare(steps, device, args.min_run_time, args.rounds)
         overhead = ratio(per, "dram", "none")  # DRAM step time / memoryless step time (same frames per step)
+        if args.profile:
+            profile_ops({k: steps[k] for k in ("dram", "none")}, device, rep,
+                        f"Profile of a training step, {size} size (B = {B}, T = {T})", calls=3)
 
         # on the fly: host.encode inside the step. A CPU --quick run times the tower on a slice of the window's
         # frames and scales it linearly (the tower is batch-linear), since the full LIBERO window takes ~10 s
@@ -880,6 +914,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--sizes", default=None, help="host sizes of parts 3-4, comma-separated, from "
                    f"{','.join(HOST_SIZES)} (default: all on CUDA, libero,embedded on the CPU)")
+    p.add_argument("--profile", action="store_true", help="also profile (torch.profiler, top ops by self time) the "
+                   "joint write against its baselines at N = 129 (part 1) and the training steps (part 4)")
     args = p.parse_args(argv)
     try:
         parts = sorted({int(s) for s in args.parts.split(",") if s.strip()})
@@ -913,7 +949,8 @@ def main(argv=None):
     rep.info["wall_s"] = round(time.perf_counter() - t0, 1)
     rep.info["command"] = "python bench.py " + " ".join(
         a for a in ["--quick" if args.quick else "", f"--device {args.device}", f"--parts {args.parts}",
-                    f"--threads {args.threads}" if args.threads else "", f"--sizes {args.sizes}" if args.sizes else ""]
+                    f"--threads {args.threads}" if args.threads else "", f"--sizes {args.sizes}" if args.sizes else "",
+                    "--profile" if args.profile else ""]
         + given if a
     )
     print(f"\ndone in {rep.info['wall_s']} s")

@@ -317,6 +317,21 @@ def test_bad_bench_arguments_are_clear_errors(argv, message, capsys):
     assert message in usage_error(bench.main, argv, capsys)
 
 
+def test_bench_profile_reports_each_candidates_ops():
+    """bench.py --profile: one section per candidate, its ops counted per call and their shares of its self time."""
+    import bench
+    rep = bench.Report({})
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    bench.profile_ops({"three mm": lambda: a @ b @ b @ a, "one mm": lambda: (a @ b).sum()}, torch.device("cpu"), rep,
+                      "Profile", calls=4)
+    assert len(rep.md) == 2 and "### Profile: three mm" in rep.md[0] and "### Profile: one mm" in rep.md[1]
+    for text, n_mm in zip(rep.md, (3, 1)):
+        rows = {r.split(" | ")[0].strip("| "): r.split(" | ")[1:] for r in text.splitlines() if r.startswith("| aten")}
+        assert rows["aten::mm"][0] == f"{n_mm:g}"  # calls per call of the candidate, not per profiled window
+        shares = [float(r[2].strip(" |")) for r in rows.values()]
+        assert 0 < sum(shares) <= 100.05 and "| (all ops) |" in text
+
+
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
     """The k-frame baseline conditions the head as the memoryless host does, plus one learned embedding per frame
     age: with that embedding zeroed, k = 1 gives exactly the host's own tokens (camera and patch-position
