@@ -85,7 +85,9 @@ def profile_ops(fns, device, rep, title, calls=5, top=10):
     """--profile: torch.profiler over `calls` calls of each fn {name: fn} after one warm-up call; one report section
     per fn with its `top` ops by self time (the GPU's kernel time on CUDA, the CPU's time otherwise): where the time
     of a timed candidate goes. The profiler's own overhead inflates small ops, so compare shares, not times."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
     for name, fn in fns.items():
         fn()
         sync(device)
@@ -97,8 +99,8 @@ def profile_ops(fns, device, rep, title, calls=5, top=10):
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         total = sum(getattr(e, key) for e in ops)  # microseconds over all calls
         ops = sorted(ops, key=lambda e: getattr(e, key), reverse=True)[:top]
-        rows = [[e.key, f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}", f"{100 * getattr(e, key) / total:.1f}"]
-                for e in ops]
+        rows = [[e.key, f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}",
+                 f"{100 * getattr(e, key) / total:.1f}"] for e in ops]
         rows.append(["(all ops)", "", f"{total / calls / 1e3:.3f}", "100.0"])
         rep.section(f"{title}: {name}", ["op", "calls per call", "self ms per call", "% of self time"], rows,
                     note=f"torch.profiler, {calls} calls after a warm-up; self time on the "

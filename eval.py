@@ -247,7 +247,8 @@ class EnvSlots:
         return out
 
     def step(self, actions):
-        """actions {slot: action [Da]} -> {slot: (obs, done)}."""
+        """actions {slot: action [Da]} -> {slot: the env's step result: (obs, done), (obs, success, done) or
+        (obs, success, done, info)}."""
         if self.processes:
             for i, a in actions.items():
                 self.conns[i].send(("step", a))
@@ -561,7 +562,8 @@ def memory_table(summaries):
     # how the failed episodes ended (data.MemoryEnv.outcome); "untouched": before the first touch of the target
     kinds = ["timeout", "wrong_block", "distractor", "pad_press", "over_count"]
     lines += ["", "Failed episodes by how they ended:", "",
-              "| task | checkpoint | failures | " + " | ".join(kinds) + " | untouched |", "|---" * (4 + len(kinds)) + "|"]
+              "| task | checkpoint | failures | " + " | ".join(kinds) + " | untouched |",
+              "|---" * (4 + len(kinds)) + "|"]
     for n in names:
         for r in summaries[n]["tasks"]:
             n_fail, f = r["episodes"] - r["successes"], r.get("failures", {})

@@ -329,7 +329,7 @@ def test_bench_profile_reports_each_candidates_ops():
         rows = {r.split(" | ")[0].strip("| "): r.split(" | ")[1:] for r in text.splitlines() if r.startswith("| aten")}
         assert rows["aten::mm"][0] == f"{n_mm:g}"  # calls per call of the candidate, not per profiled window
         shares = [float(r[2].strip(" |")) for r in rows.values()]
-        assert 0 < sum(shares) <= 100.05 and "| (all ops) |" in text
+        assert 0 < sum(shares) <= 100 + 0.05 * len(shares) and "| (all ops) |" in text  # (each share rounded)
 
 
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
@@ -2580,7 +2580,7 @@ def test_checkpoint_policy_deployment_semantics(trained):
     acts = []
     for t in range(7):
         acts.append(pol.act([data.policy_frame(obs)], [env.instruction]))
-        obs, _, _ = env.step(acts[-1][0])
+        obs = env.step(acts[-1][0])[0]
     assert count.steps == 7 and count.samples == 3  # one memory transition per frame, a chunk every 3 frames
     assert acts[0].shape == (1, 3) and np.isfinite(np.concatenate(acts)).all()
     S = pol.state.clone()
@@ -2758,7 +2758,8 @@ def test_embedded_suite_logs_how_episodes_fail(tmp_path):
     for r in recs:  # a log written before outcomes were recorded
         del r["outcome"], r["touches"]
     old = ev.summarize(recs, tasks)
-    assert "failures" not in old["tasks"][0] and "| round_trip_red | x | 3 | ? | ? | ? | ? | ? | ? |" in ev.memory_table({"x": old})
+    assert "failures" not in old["tasks"][0]
+    assert "| round_trip_red | x | 3 | ? | ? | ? | ? | ? | ? |" in ev.memory_table({"x": old})
 
 
 def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monkeypatch):
