@@ -83,8 +83,8 @@ def compare(fns, device, min_run_time, rounds=5, warmup=2):
 
 def profile_ops(fns, device, rep, title, calls=5, top=10):
     """--profile: torch.profiler over `calls` calls of each fn {name: fn} after one warm-up call; one report section
-    per fn with its `top` ops by self time (the GPU's kernel time on CUDA, the CPU's time otherwise): where the time
-    of a timed candidate goes. The profiler's own overhead inflates small ops, so compare shares, not times."""
+    per fn with its `top` ops by self time (on CUDA its `top` kernels by GPU time, on the CPU its ops by CPU time):
+    where the time of a timed candidate goes. The profiler's own overhead inflates small ops: compare shares."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -97,9 +97,12 @@ def profile_ops(fns, device, rep, title, calls=5, top=10):
             sync(device)
         ops = prof.key_averages()
         key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        if device.type == "cuda":  # kernels only: an op's device time is its kernels' (counted twice otherwise), and
+            # a user annotation (e.g. AdamW.step) spans its kernels on the GPU as well
+            ops = [e for e in ops if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
         total = sum(getattr(e, key) for e in ops)  # microseconds over all calls
         ops = sorted(ops, key=lambda e: getattr(e, key), reverse=True)[:top]
-        rows = [[e.key, f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}",
+        rows = [[e.key[:80], f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}",
                  f"{100 * getattr(e, key) / total:.1f}"] for e in ops]
         rows.append(["(all ops)", "", f"{total / calls / 1e3:.3f}", "100.0"])
         rep.section(f"{title}: {name}", ["op", "calls per call", "self ms per call", "% of self time"], rows,
@@ -917,7 +920,7 @@ def main(argv=None):
     p.add_argument("--sizes", default=None, help="host sizes of parts 3-4, comma-separated, from "
                    f"{','.join(HOST_SIZES)} (default: all on CUDA, libero,embedded on the CPU)")
     p.add_argument("--profile", action="store_true", help="also profile (torch.profiler, top ops by self time) the "
-                   "joint write against its baselines at N = 129 (part 1) and the training steps (part 4)")
+                   "joint write and its autograd baselines at N = 129 (part 1) and the training steps (part 4)")
     args = p.parse_args(argv)
     try:
         parts = sorted({int(s) for s in args.parts.split(",") if s.strip()})

@@ -345,7 +345,11 @@ def run_episodes(slots, policy, episodes, reset_every=0, frame_fn=None, on_done=
                 task_id, trial = ep[i]
                 rec = dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(success),
                            steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2))
-                rec.update(res[3] if len(res) == 4 else {})
+                info = res[3] if len(res) == 4 else {}
+                if set(info) & set(rec):
+                    raise ValueError(f"the environment's step info {sorted(set(info) & set(rec))} would overwrite "
+                                     f"the episode record's own keys")
+                rec.update(info)
                 records.append(rec)
                 if on_done is not None:
                     on_done(rec, frames_video[i] if video else None)
@@ -499,8 +503,11 @@ class MemorySuiteEnv:
         return self.env.reset(seed=[self.seed, self.task_id, trial])
 
     def step(self, action):
+        """-> (obs, success, done, info): info says how the episode ended (None while it runs) and, on a pad task,
+        how often the target was touched (None on a cue task); run_episodes adds it to the episode's record."""
         obs, success, done = self.env.step(np.asarray(action, np.float64))
-        return obs, success, done, dict(outcome=self.env.outcome, touches=self.env.count)  # how it ended (log)
+        touches = self.env.count if self.env.family == "pad" else None
+        return obs, success, done, dict(outcome=self.env.outcome, touches=touches)
 
     def close(self):
         pass
@@ -546,7 +553,8 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
 
 
 def memory_table(summaries):
-    """One row per embedded task: memoryless ceiling, then the success of each checkpoint."""
+    """One row per embedded task: memoryless ceiling, then the success of each checkpoint; below it, one row per
+    task and checkpoint: how its failed episodes ended."""
     names = list(summaries)
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"
     head = "| task | memoryless ceiling % | " + " | ".join(names) + " |"
@@ -564,14 +572,20 @@ def memory_table(summaries):
     lines += ["", "Failed episodes by how they ended:", "",
               "| task | checkpoint | failures | " + " | ".join(kinds) + " | untouched |",
               "|---" * (4 + len(kinds)) + "|"]
+    old = False
     for n in names:
         for r in summaries[n]["tasks"]:
             n_fail, f = r["episodes"] - r["successes"], r.get("failures", {})
             pad = data.MEMORY_TASKS[r["task"]][0] == "pad"
             known = sum(f.values()) == n_fail  # records of an older eval.py carry no outcome
-            lines.append(f"| {r['task']} | {n} | {n_fail} | "
-                         + " | ".join(str(f.get(k, 0)) if known else "?" for k in kinds)
-                         + f" | {(r.get('failures_untouched', 0) if known else '?') if pad else '-'} |")
+            old |= not known
+            cell = lambda x: "-" if not r["episodes"] else str(x) if known else "?"
+            lines.append(f"| {r['task']} | {n} | {n_fail if r['episodes'] else '-'} | "
+                         + " | ".join(cell(f.get(k, 0)) for k in kinds)
+                         + f" | {cell(r.get('failures_untouched', 0)) if pad else '-'} |")
+    if old:
+        lines += ["", "?: episodes logged by an eval.py older than 266dd4a, without their outcome; pass another --out "
+                      "(or delete that episodes.jsonl) to run them again"]
     return "\n".join(lines)
 
 
@@ -636,7 +650,8 @@ def summarize(records, tasks):
         fails = [r for r in eps if not r["success"] and "outcome" in r]  # envs that log how an episode ended
         if fails:
             row["failures"] = {k: sum(r["outcome"] == k for r in fails) for k in sorted({r["outcome"] for r in fails})}
-            row["failures_untouched"] = sum(r.get("touches") == 0 for r in fails)  # ended before touching the target
+            if all(r.get("touches") is not None for r in fails):  # tasks that count touches of a target
+                row["failures_untouched"] = sum(r["touches"] == 0 for r in fails)  # ended before the first one
         rows.append(row)
     rates = [r["success"] for r in rows if r["success"] is not None]
     return dict(tasks=rows, mean=float(np.mean(rates)) if rates else None,

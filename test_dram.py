@@ -2749,17 +2749,35 @@ def test_embedded_suite_logs_how_episodes_fail(tmp_path):
     s = ev.evaluate("memory", tasks, 3, Presser(), slots, str(tmp_path), dict(seed=7), quiet=True)
     recs = [json.loads(l) for l in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     ends = {(r["task_id"], r["outcome"], r["touches"], r["steps"]) for r in recs}
-    assert ends == {(0, "timeout", 0, data.MAX_STEPS["cue_colour"]), (2, "pad_press", 0, 1)} and len(recs) == 6
+    # a cue task counts no touches (None), a pad task its target's
+    assert ends == {(0, "timeout", None, data.MAX_STEPS["cue_colour"]), (2, "pad_press", 0, 1)} and len(recs) == 6
     assert [r.get("failures") for r in s["tasks"]] == [{"timeout": 3}, {"pad_press": 3}]
-    assert [r.get("failures_untouched") for r in s["tasks"]] == [3, 3]
+    assert [r.get("failures_untouched") for r in s["tasks"]] == [None, 3]
     table = ev.memory_table({"x": s})
     assert "| cue_colour | x | 3 | 3 | 0 | 0 | 0 | 0 | - |" in table
-    assert "| round_trip_red | x | 3 | 0 | 0 | 0 | 3 | 0 | 3 |" in table
+    assert "| round_trip_red | x | 3 | 0 | 0 | 0 | 3 | 0 | 3 |" in table and "?" not in table
     for r in recs:  # a log written before outcomes were recorded
         del r["outcome"], r["touches"]
-    old = ev.summarize(recs, tasks)
+    old = ev.summarize(recs + [], tasks + [(5, "count_3", "")])  # and a task without episodes
     assert "failures" not in old["tasks"][0]
-    assert "| round_trip_red | x | 3 | ? | ? | ? | ? | ? | ? |" in ev.memory_table({"x": old})
+    table = ev.memory_table({"x": old})
+    assert "| round_trip_red | x | 3 | ? | ? | ? | ? | ? | ? |" in table and "pass another --out" in table
+    assert "| count_3 | x | - | - | - | - | - | - | - |" in table
+
+    class Clashing:  # an env whose step info would overwrite the record's own success
+        instruction, max_steps = "x", 5
+
+        def reset(self, trial):
+            return {}
+
+        def step(self, action):
+            return {}, False, True, {"success": True}
+
+        def close(self):
+            pass
+
+    with pytest.raises(ValueError, match=r"step info \['success'\] would overwrite"):
+        ev.run_episodes(ev.EnvSlots(lambda task_id: Clashing(), 1), Presser(), [(0, 0)], frame_fn=lambda o: o)
 
 
 def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monkeypatch):
