@@ -81,6 +81,21 @@ def compare(fns, device, min_run_time, rounds=5, warmup=2):
     return {k: statistics.median(v) for k, v in per.items()}, per
 
 
+def profile_rows(events, cuda, calls, top=10):
+    """Profiler events (key_averages) of `calls` calls -> table rows [op, calls per call, self ms per call, % of self
+    time] of the `top` ops and a total row. On CUDA only kernels count: an op's device time is its kernels' (counted
+    twice otherwise), and a user annotation (e.g. AdamW.step) spans its kernels on the GPU as well."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    if cuda:  # (is_user_annotation is absent in torch 2.4)
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False)]
+    total = sum(getattr(e, key) for e in events)  # microseconds over all calls
+    events = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+    rows = [[e.key[:80], f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}",
+             f"{100 * getattr(e, key) / total:.1f}"] for e in events]
+    return rows + [["(all ops)", "", f"{total / calls / 1e3:.3f}", "100.0"]]
+
+
 def profile_ops(fns, device, rep, title, calls=5, top=10):
     """--profile: torch.profiler over `calls` calls of each fn {name: fn} after one warm-up call; one report section
     per fn with its `top` ops by self time (on CUDA its `top` kernels by GPU time, on the CPU its ops by CPU time):
@@ -95,16 +110,7 @@ def profile_ops(fns, device, rep, title, calls=5, top=10):
             for _ in range(calls):
                 fn()
             sync(device)
-        ops = prof.key_averages()
-        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        if device.type == "cuda":  # kernels only: an op's device time is its kernels' (counted twice otherwise), and
-            # a user annotation (e.g. AdamW.step) spans its kernels on the GPU as well
-            ops = [e for e in ops if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
-        total = sum(getattr(e, key) for e in ops)  # microseconds over all calls
-        ops = sorted(ops, key=lambda e: getattr(e, key), reverse=True)[:top]
-        rows = [[e.key[:80], f"{e.count / calls:g}", f"{getattr(e, key) / calls / 1e3:.3f}",
-                 f"{100 * getattr(e, key) / total:.1f}"] for e in ops]
-        rows.append(["(all ops)", "", f"{total / calls / 1e3:.3f}", "100.0"])
+        rows = profile_rows(prof.key_averages(), device.type == "cuda", calls, top)
         rep.section(f"{title}: {name}", ["op", "calls per call", "self ms per call", "% of self time"], rows,
                     note=f"torch.profiler, {calls} calls after a warm-up; self time on the "
                     f"{'GPU' if device.type == 'cuda' else 'CPU'} (--profile).")

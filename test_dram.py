@@ -332,6 +332,21 @@ def test_bench_profile_reports_each_candidates_ops():
         assert 0 < sum(shares) <= 100 + 0.05 * len(shares) and "| (all ops) |" in text  # (each share rounded)
 
 
+def test_bench_profile_on_cuda_counts_kernels_once():
+    """On a GPU an op's self device time is the time of the kernels it launched, which are events of their own; the
+    table ranks and totals the kernels only (user annotations excluded), so the shares are not halved."""
+    import types
+    import bench
+    ev_ = lambda key, dev, t, ann=False: types.SimpleNamespace(key=key, count=2, device_type=dev,
+                                                               is_user_annotation=ann, self_device_time_total=t)
+    CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [ev_("aten::mm", CPU, 300.0), ev_("gemm_kernel", CUDA, 300.0), ev_("aten::add", CPU, 100.0),
+              ev_("add_kernel", CUDA, 100.0), ev_("Optimizer.step#AdamW.step", CUDA, 500.0, ann=True)]
+    rows = bench.profile_rows(events, cuda=True, calls=2)
+    assert [r[0] for r in rows] == ["gemm_kernel", "add_kernel", "(all ops)"]
+    assert [r[3] for r in rows] == ["75.0", "25.0", "100.0"] and rows[-1][2] == "0.200" and rows[0][1] == "1"
+
+
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
     """The k-frame baseline conditions the head as the memoryless host does, plus one learned embedding per frame
     age: with that embedding zeroed, k = 1 gives exactly the host's own tokens (camera and patch-position
