@@ -658,6 +658,7 @@ MEMORY_TASKS = {
 }
 MEMORYLESS_CEILING = {"cue_colour": 1 / 3, "cue_location": 1 / 3, "round_trip_red": 1 / 4, "round_trip_blue": 1 / 4,
                       "count_2": 4 / 27, "count_3": 27 / 256}
+FAILURES = ("timeout", "wrong_block", "distractor", "pad_press", "over_count")  # MemoryEnv.outcome of a failure
 MAX_STEPS = {"cue_colour": 40, "cue_location": 40, "round_trip_red": 50, "round_trip_blue": 50,
              "count_2": 70, "count_3": 100}
 

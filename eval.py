@@ -568,7 +568,7 @@ def memory_table(summaries):
     lines.append(f"| **mean** | **{pct(mean_ceil)}** | " + " | ".join(f"**{pct(summaries[n]['mean'])}**"
                                                                       for n in names) + " |")
     # how the failed episodes ended (data.MemoryEnv.outcome); "untouched": before the first touch of the target
-    kinds = ["timeout", "wrong_block", "distractor", "pad_press", "over_count"]
+    kinds = data.FAILURES
     lines += ["", "Failed episodes by how they ended:", "",
               "| task | checkpoint | failures | " + " | ".join(kinds) + " | untouched |",
               "|---" * (4 + len(kinds)) + "|"]

@@ -1610,6 +1610,8 @@ def test_memory_env_failures():
             _, success, done = env.step([0, 0, -1])
         assert done and not success and env.outcome == "timeout"
         assert data.rollout_expert(env, seed=0)["success"] and env.outcome == "success"
+    # the failure table's columns (data.FAILURES) are the five failures this test produced
+    assert sorted(data.FAILURES) == ["distractor", "over_count", "pad_press", "timeout", "wrong_block"]
 
 
 def test_memory_suite_cues_are_counterbalanced(tmp_path):
