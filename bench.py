@@ -7,7 +7,7 @@ medians of torch.utils.benchmark.Timer.blocked_autorange after a warm-up (the Ti
   python bench.py --quick                       # all parts, < 2 min on 2 CPU cores
   python bench.py                               # full grid, < 10 min on 2 CPU cores
   python bench.py --device cuda --out results   # writes results.md and results.json
-  python bench.py --quick --parts 1,4 --profile # also where the time goes (torch.profiler, top ops by self time)
+  python bench.py --quick --parts 1,2,4 --profile  # also where the time goes (torch.profiler, top ops)
 
 Parts (sizes from the hosts' configurations: N in {64, 128, 392, 800} write tokens plus the DiT host's 129 / 257,
 dk = dv in {64, 128}, batch x heads P from 8 to 256):
@@ -474,6 +474,9 @@ def part2(args, device, rep):
 
         rf = compare({"window": fwd(window), "loop": fwd(loop)}, device, args.min_run_time, args.rounds)
         rb = compare({"window": fb(window), "loop": fb(loop)}, device, args.min_run_time, args.rounds)
+        if args.profile and T == 16:  # the target's case
+            profile_ops({"window": fwd(window), "loop": fwd(loop)}, device, rep,
+                        f"Profile of the layer's forward over T = {T} frames")
         xf, xb = ratio(rf[1], "loop", "window"), ratio(rb[1], "loop", "window")
         raw.append({"T": T, "B": B, "N": N, "median_s_fwd": rf[0], "median_s_fwdbwd": rb[0],
                     "loop_over_window": {"fwd": xf, "fwdbwd": xb}})
@@ -926,7 +929,8 @@ def main(argv=None):
     p.add_argument("--sizes", default=None, help="host sizes of parts 3-4, comma-separated, from "
                    f"{','.join(HOST_SIZES)} (default: all on CUDA, libero,embedded on the CPU)")
     p.add_argument("--profile", action="store_true", help="also profile (torch.profiler, top ops by self time) the "
-                   "joint write and its autograd baselines at N = 129 (part 1) and the training steps (part 4)")
+                   "joint write and its autograd baselines at N = 129 (part 1), the window and the step loop at "
+                   "T = 16 (part 2) and the training steps (part 4)")
     args = p.parse_args(argv)
     try:
         parts = sorted({int(s) for s in args.parts.split(",") if s.strip()})
