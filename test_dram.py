@@ -1885,6 +1885,26 @@ def test_workers_match_in_process():
     key = lambda r: (r["task_id"], r["trial"], r["steps"], r["success"])
     assert sorted(map(key, local)) == sorted(map(key, remote))
     assert len(remote) == len(episodes)
+    # the embedded suite's step info (how an episode ended) travels back from the workers as well
+    mem, eps = functools.partial(ev.make_memory_env, seed=7), [(0, 0), (2, 0)]
+    slots = ev.EnvSlots(mem, 2, processes=True)
+    try:
+        remote = ev.run_episodes(slots, PadPresser(), eps)
+    finally:
+        slots.close()
+    local = ev.run_episodes(ev.EnvSlots(mem, 2), PadPresser(), eps)
+    key = lambda r: (r["task_id"], r["steps"], r["outcome"], r["touches"])
+    assert sorted(map(key, remote)) == sorted(map(key, local)) == [(0, 40, "timeout", None), (2, 1, "pad_press", 0)]
+
+
+class PadPresser:
+    """Stands still and presses: an embedded pad task ends at once (no touch), a cue task times out."""
+
+    def reset(self, rows, new_episode):
+        pass
+
+    def act(self, frames, instructions):
+        return np.tile([0.0, 0.0, 1.0], (len(frames), 1))
 
 
 class BadActionPolicy(RecordingPolicy):
@@ -2754,16 +2774,9 @@ def test_embedded_suite_logs_how_episodes_fail(tmp_path):
     """Each embedded episode's record says how it ended (data.MemoryEnv.outcome) and how often the target was
     touched; the summary counts the failures by outcome and memory_table prints them, '?' for older records."""
 
-    class Presser:  # stands still and presses: a pad task ends at once (no touch), a cue task times out
-        def reset(self, rows, new_episode):
-            pass
-
-        def act(self, frames, instructions):
-            return np.tile([0.0, 0.0, 1.0], (len(frames), 1))
-
     tasks = [(i, ev.MEMORY_TASK_NAMES[i], "") for i in (0, 2)]  # cue_colour, round_trip_red
     slots = ev.EnvSlots(functools.partial(ev.make_memory_env, seed=7), 2)
-    s = ev.evaluate("memory", tasks, 3, Presser(), slots, str(tmp_path), dict(seed=7), quiet=True)
+    s = ev.evaluate("memory", tasks, 3, PadPresser(), slots, str(tmp_path), dict(seed=7), quiet=True)
     recs = [json.loads(l) for l in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     ends = {(r["task_id"], r["outcome"], r["touches"], r["steps"]) for r in recs}
     # a cue task counts no touches (None), a pad task its target's
@@ -2794,7 +2807,7 @@ def test_embedded_suite_logs_how_episodes_fail(tmp_path):
             pass
 
     with pytest.raises(ValueError, match=r"step info \['success'\] would overwrite"):
-        ev.run_episodes(ev.EnvSlots(lambda task_id: Clashing(), 1), Presser(), [(0, 0)], frame_fn=lambda o: o)
+        ev.run_episodes(ev.EnvSlots(lambda task_id: Clashing(), 1), PadPresser(), [(0, 0)], frame_fn=lambda o: o)
 
 
 def test_evaluation_renders_frames_at_the_training_size(trained, tmp_path, monkeypatch):
