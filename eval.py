@@ -32,10 +32,10 @@ does not see, then at most LIBERO_MAX_STEPS[suite] policy steps; success = `done
 Images are rendered at --image-size (default 128 = the demos' resolution), so the policy receives pixels made the
 same way as its training frames; any further resize is the policy's own preprocessing, shared with training.
 
-Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds), videos/
-with --video (needs imageio); for LIBERO also summary.json, results.md (the markdown table that is also printed).
-The embedded suite prints its table and logs next to each checkpoint (<ckpt dir>/eval_memory_L<L>) unless --out is
-given.
+Outputs under --out: episodes.jsonl (one line per finished episode; a re-run skips the episodes it holds),
+results.md (the markdown table that is also printed), summary.json (settings and numbers), videos/ with --video
+(needs imageio). The embedded suite writes them next to each checkpoint (<ckpt dir>/eval_memory_L<L>) unless --out
+is given; with several checkpoints and --out, one sub-folder per checkpoint and the side-by-side table in --out.
 """
 import argparse
 import functools
@@ -548,7 +548,12 @@ def evaluate_memory_suite(ckpts, episodes=50, seed=1000, device="cpu", reset_eve
         summaries[ck] = evaluate("memory", task_list, episodes, policy, slots, where, run, reset_every=reset_every,
                                  video=video, quiet=True)
         print(f"evaluated {ck} on the embedded suite: {summaries[ck]['episodes']} episodes in {time.time() - t0:.0f} s")
-    print(memory_table(summaries))
+        write_results(where, memory_table({ck: summaries[ck]}), dict(run, episodes=episodes, summary=summaries[ck]))
+    table = memory_table(summaries)
+    print(table)
+    if out is not None and len(ckpts) > 1:  # the side-by-side table of all checkpoints
+        write_results(out, table, dict(seed=seed, reset_every=reset_every, replan=replan, episodes=episodes,
+                                       summaries=summaries))
     return summaries
 
 
@@ -667,6 +672,15 @@ def markdown_table(summaries):
             lines.append(f"| {suite} | {r['task_id']} | {r['task']} | {r['episodes']} | {pct(r['success'])} |")
         lines.append(f"| **{suite}** | **mean** | | {s['episodes']} | **{pct(s['mean'])}** |")
     return "\n".join(lines)
+
+
+def write_results(out, table, summary):
+    """out/results.md (the markdown table) and out/summary.json (the settings and the numbers behind it)."""
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"wrote {out}/results.md, summary.json")
 
 
 def write_video(path, frames, fps=20):
@@ -826,11 +840,7 @@ def main(argv=None):
             slots.close()
     table = markdown_table(summaries)
     print(table)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(dict(args=vars(args), suites=summaries), f, indent=1)
-    print(f"wrote {out}/episodes.jsonl, summary.json, results.md")
+    write_results(out, table, dict(args=vars(args), suites=summaries))
     return summaries
 
 

@@ -2758,6 +2758,10 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
         ev.evaluate_memory_suite([ck], episodes=3, tasks=[0, 2], out=str(out), reset_every=4)
     table = ev.memory_table({"dram": again[ck], "copy": again[ck]})
     assert "memoryless ceiling" in table and "| cue_colour | 33.3 |" in table
+    # the run's table and numbers are written beside its log
+    assert (out / "results.md").read_text() == ev.memory_table({ck: again[ck]}) + "\n"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["summary"] == again[ck] and saved["episodes"] == 3 and saved["reset_every"] == 0
     # a checkpoint retrained (here: changed) at the same path never resumes the old one's episodes
     mine, out2 = tmp_path / "ckpt.pt", str(tmp_path / "ev2")
     shutil.copy(ck, mine)
@@ -2768,6 +2772,12 @@ def test_embedded_suite_rollouts_and_resumable_log(trained, tmp_path):
     torch.save(c, mine)
     with pytest.raises(ValueError, match="holds episodes of another checkpoint file"):
         ev.evaluate_memory_suite([str(mine)], episodes=1, tasks=[0], out=out2, num_envs=1)
+    # two checkpoints with --out: one sub-folder each, the side-by-side table in --out
+    both = tmp_path / "both"
+    s2 = ev.evaluate_memory_suite([ck, str(mine)], episodes=1, tasks=[0], out=str(both), num_envs=1)
+    assert (both / "results.md").read_text() == ev.memory_table(s2) + "\n"
+    assert sorted(json.loads((both / "summary.json").read_text())["summaries"]) == sorted([ck, str(mine)])
+    assert len(list(both.glob("*/summary.json"))) == 2 and len(list(both.glob("*/episodes.jsonl"))) == 2
 
 
 def test_embedded_suite_logs_how_episodes_fail(tmp_path):
