@@ -77,14 +77,24 @@ def sequential_delta_write(S, K, V, beta, gamma):
 
 @contextmanager
 def _exact_fp32():
-    """Autocast off and TF32 off: the Gram matrix and the solve run in true fp32 (appendix, forward solve)."""
-    m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):  # torch >= 2.9
-        old = m.fp32_precision
-        m.fp32_precision = "ieee"
-    else:
-        old = m.allow_tf32
-        m.allow_tf32 = False
+    """Autocast off and reduced-precision fp32 matmuls off (TF32 in cuBLAS, TF32 / bf16 in oneDNN): the Gram matrix
+    and the solve run in true fp32 (appendix, forward solve). Since torch 2.9 two APIs hold that setting: the legacy
+    one (torch.set_float32_matmul_precision, matmul.allow_tf32) and per-backend fp32_precision fields; the legacy
+    setter writes both, and cuBLAS refuses to run when they disagree. So the legacy setter switches it off here
+    (setting only the new field after a script's set_float32_matmul_precision("high") would fail every CUDA
+    matmul), and both are restored as they were."""
+    b = torch.backends
+    saved = None
+    if hasattr(b.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        saved = (b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision)
+    try:
+        old = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch >= 2.9 refuses to read it when only the new fields were set: they alone decide
+        old = None
+    if old is None:
+        b.cuda.matmul.fp32_precision = b.mkldnn.matmul.fp32_precision = "ieee"
+    elif old != "highest":
+        torch.set_float32_matmul_precision("highest")
     try:
         if torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"):
             with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
@@ -92,10 +102,10 @@ def _exact_fp32():
         else:  # entering two disabled autocast contexts costs more than the tiny solves of one frame
             yield
     finally:
-        if hasattr(m, "fp32_precision"):
-            m.fp32_precision = old
-        else:
-            m.allow_tf32 = old
+        if old is not None and old != "highest":
+            torch.set_float32_matmul_precision(old)
+        if saved is not None and (b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision) != saved:
+            b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision = saved
 
 
 def _inverse_cholesky_factor(A):

@@ -236,42 +236,75 @@ def test_conditioning_bound_at_cap():
         assert cond == pytest.approx(1 + 99 * N, rel=1e-9)  # identical keys attain it
 
 
-def test_joint_write_keeps_tf32_off_in_forward_and_backward():
-    """Appendix (numerics): the Gram matrix and the solve in true FP32 even where the user turned TF32 on. Every
-    matmul of the joint write's forward and backward sees TF32 off (autograd runs the backward outside the
-    forward's context), recorded by a dispatch mode at each matmul; the user's setting is back afterwards."""
+def fp32_matmul_settings():
+    """Every place torch keeps the fp32 matmul precision: the legacy setting, what cuBLAS reads (torch >= 2.9
+    checks there that the legacy and the new API agree, 'MIXED' where it would refuse), and the new per-backend
+    fields (torch >= 2.9)."""
+    def get(f):
+        try:
+            return f()
+        except RuntimeError:
+            return "MIXED"
+
+    b = torch.backends
+    out = dict(legacy=get(torch.get_float32_matmul_precision), cublas_tf32=get(torch._C._get_cublas_allow_tf32))
+    if hasattr(b.cuda.matmul, "fp32_precision"):
+        out |= dict(generic=b.fp32_precision, cuda=b.cuda.matmul.fp32_precision, mkldnn=b.mkldnn.matmul.fp32_precision)
+    return out
+
+
+# the ways a script turns reduced-precision fp32 matmuls on (the last two: torch >= 2.9's per-backend fields)
+TF32_ON = {
+    "set_float32_matmul_precision high": lambda b: torch.set_float32_matmul_precision("high"),
+    "set_float32_matmul_precision medium": lambda b: torch.set_float32_matmul_precision("medium"),
+    "cuda.matmul.allow_tf32": lambda b: setattr(b.cuda.matmul, "allow_tf32", True),
+    "cuda.matmul.fp32_precision": lambda b: setattr(b.cuda.matmul, "fp32_precision", "tf32"),
+    "backends.fp32_precision": lambda b: setattr(b, "fp32_precision", "tf32"),
+}
+
+
+@pytest.mark.parametrize("how", list(TF32_ON))
+def test_joint_write_keeps_tf32_off_in_forward_and_backward(how):
+    """Appendix (numerics): the Gram matrix and the solve in true FP32 even where the user turned TF32 on, however
+    it was turned on. Every matmul of the joint write's forward and backward (autograd runs the backward outside
+    the forward's context) sees, recorded by a dispatch mode, TF32 off where cuBLAS reads it, without the
+    legacy / new API disagreement that makes cuBLAS refuse to run (torch >= 2.9: setting only the new field after
+    set_float32_matmul_precision("high") did), and oneDNN at ieee; the user's settings are all back afterwards."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    m = torch.backends.cuda.matmul
-    new_api = hasattr(m, "fp32_precision")  # torch >= 2.9
-    tf32 = lambda: m.fp32_precision == "tf32" if new_api else m.allow_tf32
+    b = torch.backends
+    new_api = hasattr(b.cuda.matmul, "fp32_precision")
+    if how in ("cuda.matmul.fp32_precision", "backends.fp32_precision") and not new_api:
+        pytest.skip("torch < 2.9 has no per-backend fp32_precision")
+    default = fp32_matmul_settings()
+    assert default["cublas_tf32"] is False
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.split(".")[0] in ("mm", "bmm", "baddbmm", "addmm"):
-                seen.append(tf32())
+                now = fp32_matmul_settings()
+                seen.append((now["cublas_tf32"], now.get("mkldnn", "ieee")))
             return func(*args, **(kwargs or {}))
 
-    old = m.fp32_precision if new_api else m.allow_tf32
-    for N in (5, 12):  # the N x N and the dk x dk system
-        S, K, V, w, gamma = rand_frame(2, N=N, dk=8, dv=4, seed=29)
-        K, V, w, gamma = (x[:, None].float().repeat(1, 3, *[1] * (x.dim() - 1)) for x in (K, V, w, gamma))  # T = 3
-        K.requires_grad_(True)
-        seen = []
-        try:
-            if new_api:
-                m.fp32_precision = "tf32"
-            else:
-                m.allow_tf32 = True
+    try:
+        TF32_ON[how](b)
+        user = fp32_matmul_settings()
+        assert user != default
+        for N in (5, 12):  # the N x N and the dk x dk system
+            S, K, V, w, gamma = rand_frame(2, N=N, dk=8, dv=4, seed=29)
+            K, V, w, gamma = (x[:, None].float().repeat(1, 3, *[1] * (x.dim() - 1)) for x in (K, V, w, gamma))
+            K.requires_grad_(True)  # T = 3 frames
+            seen = []
             with Record():
                 joint_write_window(S.float(), K, V, w, gamma).sum().backward()
-            assert tf32()
-        finally:
-            if new_api:
-                m.fp32_precision = old
-            else:
-                m.allow_tf32 = old
-        assert len(seen) > 10 and not any(seen), seen
+            assert len(seen) > 10 and set(seen) == {(False, "ieee")}, set(seen)
+            assert fp32_matmul_settings() == user
+    finally:  # back to torch's defaults for the other tests
+        torch.set_float32_matmul_precision("highest")
+        if new_api:
+            b.fp32_precision, b.cuda.matmul.fp32_precision = default["generic"], default["cuda"]
+            b.mkldnn.matmul.fp32_precision = default["mkldnn"]
+    assert fp32_matmul_settings() == default
 
 
 def test_bench_baselines_compute_the_joint_write():
