@@ -610,8 +610,11 @@ def capture_cuda_graph(fn, warmup=3, after_warmup=None, device=None):
     synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
     initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn. after_warmup() runs
     between them and the capture. device: the GPU that fn's tensors live on (None: the current one); streams are
-    per device, and kernels launched on another device's stream would not be captured. Used by eval.py (control
-    step), train.py (training step) and bench.py."""
+    per device, and kernels launched on another device's stream would not be captured. The graph keeps fn (and so
+    every tensor fn refers to: weights, optimizer state, static inputs) alive: a replay reads and writes their
+    memory by address, and memory freed after the capture would be reused by other tensors or handed back to the
+    driver (torch.cuda.graph empties the cache on entry), a silent corruption or an illegal access. Used by eval.py
+    (control step), train.py (training step) and bench.py."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -624,6 +627,7 @@ def capture_cuda_graph(fn, warmup=3, after_warmup=None, device=None):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn()
+    graph.fn = fn
     return graph, out
 
 

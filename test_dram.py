@@ -33,7 +33,7 @@ import data
 import eval as ev
 import hosts
 import train
-from hosts import HostConfig, make_host
+from hosts import HostConfig, capture_cuda_graph, make_host
 
 f64 = torch.float64
 
@@ -2469,6 +2469,68 @@ def test_graphed_train_step_replays_like_the_eager_step(kind):
     for p0, p1 in zip(h0.trainable_parameters(), h1.trainable_parameters()):
         assert torch.equal(p1, p0)
     assert all(st["step"].item() == 4 for st in opt1.state.values())  # four steps, not four + warm-up + capture
+
+
+def test_captured_graphs_keep_what_they_read_alive(monkeypatch):
+    """hosts.capture_cuda_graph, with torch.cuda's stream and graph calls stood in (CPU): a replay reads and writes
+    the memory of every tensor its function refers to (weights, optimizer state, static inputs) by address, so the
+    graph keeps them alive; freed, their memory would go to other tensors or back to the driver. bench.py part 4
+    handed GraphedTrainStep an optimizer that nothing else held."""
+    import contextlib
+    import gc
+    import weakref
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def replay(self):
+            pass
+
+    for name, stand_in in dict(device=contextlib.nullcontext, Stream=Stream, current_stream=Stream,
+                               stream=lambda s: contextlib.nullcontext(), CUDAGraph=Graph,
+                               graph=lambda g: contextlib.nullcontext()).items():
+        monkeypatch.setattr(torch.cuda, name, stand_in)
+
+    def reads(x):  # a function that refers to a tensor nothing else holds
+        return (lambda: x * 2), weakref.ref(x)
+
+    fn, ref = reads(torch.ones(3))
+    graph, out = capture_cuda_graph(fn)
+    del fn
+    gc.collect()
+    assert ref() is not None and torch.equal(out, 2 * ref())
+    del graph
+    gc.collect()
+    assert ref() is None  # kept by the graph, not leaked
+
+    _, opt, step, _ = run_train_steps(True, "cpu", lrs=(1e-3,))  # GraphedTrainStep with the capture above
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is not None and ref().state  # its AdamW moments, which a replay updates
+    del step
+    gc.collect()
+    assert ref() is None
+
+
+def test_rng_state_is_the_training_devices_own(monkeypatch):
+    """The training step draws tau and noise from the generator of its device; cuda:1 has its own, and
+    torch.cuda.get_rng_state() without a device reads the current device's (cuda:0 in a one-process run on
+    --device cuda:1), so a resumed run would draw anew. train.rng_state / set_rng_state (checkpoints and the
+    graph capture) name the device."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": calls.append(("get", device)) or "s")
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda st, device="cuda": calls.append(("set", st, device)))
+    dev = torch.device("cuda:1")
+    st = train.rng_state(dev)
+    cpu_before = torch.get_rng_state()
+    torch.rand(3)
+    train.set_rng_state(st, dev)
+    assert calls == [("get", dev), ("set", "s", dev)] and torch.equal(torch.get_rng_state(), cpu_before)
+    calls.clear()
+    assert train.rng_state(torch.device("cpu"))["cuda"] is None and not calls
 
 
 def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():

@@ -285,6 +285,19 @@ def train_step(host, opt, params, batch, state, clip, fixed_shapes=False, world=
     return loss.detach(), n, state.detach()
 
 
+def rng_state(dev):
+    """The generators a training step draws from on `dev`: the CPU's, and on a GPU that device's own (cuda:1 has
+    its own generator; torch.cuda.get_rng_state() without a device reads the current device's, cuda:0's)."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+
+def set_rng_state(st, dev):
+    """Undo of rng_state(dev); a checkpoint written on the CPU carries no CUDA state (cuda=None)."""
+    torch.set_rng_state(st["torch"])
+    if dev.type == "cuda" and st.get("cuda") is not None:
+        torch.cuda.set_rng_state(st["cuda"], dev)
+
+
 class GraphedTrainStep:
     """train_step as one CUDA graph (--cuda-graphs): on a GPU a training step of this repo's hosts is thousands of
     small kernels, and eagerly the GPU waits on Python to launch them (bench.py part 4); a replay launches them
@@ -302,21 +315,15 @@ class GraphedTrainStep:
         weights = [p.detach().clone() for p in params]
         opt_state = {p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for p, st in opt.state.items()}
         dev = self.state.device
-        rng = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+        rng = rng_state(dev)
 
         def step():
             loss, n, new_state = train_step(host, opt, params, self.batch, self.state, clip, fixed_shapes=True)
             self.state.copy_(new_state)
             return loss, n
 
-        def restore_rng():
-            if dev.type == "cuda":
-                torch.cuda.set_rng_state(rng, dev)
-            else:
-                torch.set_rng_state(rng)
-
-        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(step, after_warmup=restore_rng,
-                                                                         device=dev)
+        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(
+            step, after_warmup=lambda: set_rng_state(rng, dev), device=dev)
         with torch.no_grad():  # undo the warm-up steps (the capture itself runs nothing)
             for p, w in zip(params, weights):
                 p.copy_(w)
@@ -512,9 +519,7 @@ def main(argv=None):
             g["lr_mult"], g["weight_decay"] = m, wd
         sampler.load_state_dict(ck["sampler"][rank])
         mem_state = ck["mem_state"][rank].to(dev)
-        torch.set_rng_state(ck["rng"][rank]["torch"])
-        if dev.type == "cuda" and ck["rng"][rank].get("cuda") is not None:
-            torch.cuda.set_rng_state(ck["rng"][rank]["cuda"])
+        set_rng_state(ck["rng"][rank], dev)
         step = ck["step"]
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
@@ -528,8 +533,7 @@ def main(argv=None):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
         mine_state = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(),
-                          rng=dict(torch=torch.get_rng_state(),
-                                   cuda=torch.cuda.get_rng_state() if dev.type == "cuda" else None))
+                          rng=rng_state(dev))
         gathered = [None] * world
         if world > 1:
             dist.all_gather_object(gathered, mine_state)
