@@ -2631,6 +2631,38 @@ def test_ddp_two_processes_gloo(tmp_path):
         np.testing.assert_allclose(np.asarray(ck["stats"][k]), v, rtol=1e-5, atol=1e-6)
 
 
+def test_setup_distributed_one_gpu_per_local_process(monkeypatch):
+    """train.setup_distributed under torchrun's environment (the process group calls stood in): rank 9 of 16 on
+    two machines of 8 GPUs takes its machine's GPU LOCAL_RANK (the check counts this machine's processes, not all
+    16), NCCL; a GPU index given to every process is refused; rank 0's long solo work (the feature cache) is
+    waited for on a gloo group with a timeout of hours (a barrier on the NCCL group is aborted after 10 minutes)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(("threads", n)))
+    monkeypatch.setattr(train.dist, "init_process_group", lambda backend: calls.append(("init", backend)))
+    monkeypatch.setattr(train.dist, "new_group", lambda **kw: calls.append(("group", kw)) or "gloo-group")
+    monkeypatch.setattr(train.dist, "barrier", lambda group=None: calls.append(("barrier", group)))
+    for k, v in dict(WORLD_SIZE=16, RANK=9, LOCAL_WORLD_SIZE=8, LOCAL_RANK=1).items():
+        monkeypatch.setenv(k, str(v))
+    a = argparse.Namespace(device="auto")
+    rank, world, wait = train.setup_distributed(a)
+    wait()
+    assert (rank, world, a.device) == (9, 16, "cuda:1")
+    assert calls[:2] == [("init", "nccl"), ("set_device", 1)] and calls[3] == ("barrier", "gloo-group")
+    assert calls[2][1]["backend"] == "gloo" and calls[2][1]["timeout"].total_seconds() >= 3600
+    with pytest.raises(SystemExit, match="each takes the GPU of its LOCAL_RANK"):
+        train.setup_distributed(argparse.Namespace(device="cuda:0"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(SystemExit, match="8 process.es. on this machine need one GPU each, this machine has 4"):
+        train.setup_distributed(argparse.Namespace(device="cuda"))
+    calls.clear()
+    a = argparse.Namespace(device="auto")  # too few GPUs: all 8 local processes on the CPU, gloo
+    train.setup_distributed(a)
+    assert a.device == "cpu" and calls[:2] == [("threads", max(1, (os.cpu_count() or 1) // 8)), ("init", "gloo")]
+
+
 class CountingHost:
     """Wraps a host to count memory transitions and action-expert calls."""
 

@@ -15,6 +15,7 @@ episode. Gradients run through the whole window: reads, gates, joint solve.
 """
 import argparse
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -432,23 +433,39 @@ def build_episodes(host, files, a, rank=0):
     return eps
 
 
+# how long the other ranks may wait for rank 0 alone to generate the embedded suite or fill the feature cache
+# (encoding every frame of libero_90 with the tower); NCCL's own collectives abort after 10 minutes
+RANK0_WAIT = datetime.timedelta(hours=6)
+
+
 def setup_distributed(a):
+    """torchrun's environment -> (rank, world, wait). One GPU per process on each machine (LOCAL_RANK of
+    LOCAL_WORLD_SIZE), NCCL between GPUs, gloo between CPU processes. wait() holds every rank until all got there,
+    through a gloo group with the timeout RANK0_WAIT: a barrier on the NCCL group would be aborted by NCCL's
+    watchdog (10 minutes) while rank 0 builds the cache for everyone."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    if a.device == "auto":  # one GPU per rank, else all ranks on the CPU
-        a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
-    if a.device.startswith("cuda") and world > torch.cuda.device_count():
-        raise SystemExit(f"--device {a.device}: {world} process(es) need one GPU each, this machine has "
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
+    if a.device == "auto":  # one GPU per process, else all of them on the CPU
+        a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
+    cuda = torch.device(a.device).type == "cuda"
+    if cuda and local_world > torch.cuda.device_count():
+        raise SystemExit(f"--device {a.device}: {local_world} process(es) on this machine need one GPU each, this machine has "
                          f"{torch.cuda.device_count()} (use --device cpu, or fewer processes)")
-    if world > 1:
-        if a.device == "cpu":  # ranks share the cores: oversubscribed OpenMP threads spin and crawl
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-        if a.device == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local)
-            a.device = f"cuda:{local}"
-    return rank, world
+    if cuda and world > 1 and torch.device(a.device).index is not None:
+        raise SystemExit(f"--device {a.device}: with {world} processes each takes the GPU of its LOCAL_RANK; pass "
+                         f"--device cuda")
+    if world == 1:
+        return rank, world, lambda: None
+    if not cuda:  # ranks share the cores: oversubscribed OpenMP threads spin and crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        a.device = f"cuda:{local}"
+    group = dist.new_group(backend="gloo", timeout=RANK0_WAIT)
+    return rank, world, lambda: dist.barrier(group=group)
 
 
 def main(argv=None):
@@ -461,7 +478,7 @@ def main(argv=None):
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
         ck, _ = read_checkpoint(ckpt_path)
         a = resume_args(a, ck.get("args", {}), given_flags(argv), ckpt_path)
-    rank, world = setup_distributed(a)
+    rank, world, wait = setup_distributed(a)
     if a.cuda_graphs and (torch.device(a.device).type != "cuda" or world > 1):
         raise SystemExit(f"--cuda-graphs needs --device cuda and one process (got --device {a.device}, "
                          f"{world} processes)")
@@ -474,7 +491,7 @@ def main(argv=None):
 
     files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
-        dist.barrier()
+        wait()
         files = data.find_demo_files(a.data, a.suite, generate=False)
     vocab, Da, frame_hw = scan(files)
     cfg = HostConfig(memory=a.memory, vision=a.vision, pretrained=a.pretrained, weights_file=a.weights_file,
@@ -488,15 +505,16 @@ def main(argv=None):
             have = tuple(have) if isinstance(have, list) else have
             if k != "weights_file" and have != now.get(k, have):
                 raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run has {now[k]!r}")
-    host = make_host(a.host, cfg).to(dev)
+    host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
+    if world > 1:  # then each rank its own draws of tau and noise (the same ones would average less noise away)
+        torch.manual_seed(a.seed + rank)
     if ck is not None and ck.get("tower_fingerprint") != host.tower.fingerprint():
         raise ValueError(f"--resume: {ckpt_path} was trained with other frozen tower weights ({cfg.vision}; check "
                          f"--pretrained / --weights-file)")
 
     if rank == 0 and world > 1:
         build_episodes(host, files, a, rank)  # fill the cache once
-    if world > 1:
-        dist.barrier()
+    wait()
     episodes = build_episodes(host, files, a, rank)
     # normalisation statistics of all episodes (also under DDP), then each rank its own episodes and streams
     stats = ck["stats"] if ck is not None else data.compute_stats([e.state for e in episodes],
