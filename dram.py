@@ -104,7 +104,7 @@ def _exact_fp32():
     finally:
         if old is not None and old != "highest":
             torch.set_float32_matmul_precision(old)
-        if saved is not None and (b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision) != saved:
+        if saved is not None:
             b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision = saved
 
 

@@ -450,8 +450,8 @@ def setup_distributed(a):
         a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
     cuda = torch.device(a.device).type == "cuda"
     if cuda and local_world > torch.cuda.device_count():
-        raise SystemExit(f"--device {a.device}: {local_world} process(es) on this machine need one GPU each, this machine has "
-                         f"{torch.cuda.device_count()} (use --device cpu, or fewer processes)")
+        raise SystemExit(f"--device {a.device}: {local_world} process(es) on this machine need one GPU each, this "
+                         f"machine has {torch.cuda.device_count()} (use --device cpu, or fewer processes)")
     if cuda and world > 1 and torch.device(a.device).index is not None:
         raise SystemExit(f"--device {a.device}: with {world} processes each takes the GPU of its LOCAL_RANK; pass "
                          f"--device cuda")
