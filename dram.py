@@ -35,10 +35,8 @@ import torch.nn.functional as F
 
 
 def write_weights(beta, pad_mask=None, cap=0.99):
-    """eq. (write-gate): w = p b / (1 - b), b = min(beta, cap).
-
-    The odds form makes the N = 1 joint write equal the gated delta rule with strength b (eq. app-single-token);
-    the cap bounds w <= 99, hence cond(A) <= 1 + 99 N (eq. app-conditioning)."""
+    """eq. (write-gate): w = p b / (1 - b), b = min(beta, cap). The odds form makes the N = 1 joint write equal the
+    gated delta rule with strength b (eq. app-single-token); the cap bounds w <= 99, so cond(A) <= 1 + 99 N."""
     b = beta.clamp(max=cap)
     w = b / (1.0 - b)
     return w if pad_mask is None else w * pad_mask.to(w.dtype)  # p_i = 0: no part in the Gram matrix nor the rhs
@@ -63,9 +61,8 @@ def sequential_delta_write(S, K, V, beta, gamma):
 
 @contextmanager
 def _exact_fp32():
-    """The Gram matrix and the solve in true fp32 (appendix, forward solve): autocast off, TF32 and oneDNN's reduced
-    precision off. torch >= 2.9 keeps the matmul precision in two APIs and cuBLAS refuses to run when they disagree;
-    the legacy setter writes both, so it is the one used, and both are restored."""
+    """True fp32 for the Gram matrix and the solve (appendix, forward solve): autocast, TF32, oneDNN's bf16 off. The
+    legacy setter writes both of torch >= 2.9's precision APIs (cuBLAS refuses to run when they disagree)."""
     b = torch.backends
     new = hasattr(b.cuda.matmul, "fp32_precision") and (b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision)
     try:
@@ -82,6 +79,11 @@ def _exact_fp32():
             b.cuda.matmul.fp32_precision, b.mkldnn.matmul.fp32_precision = new
 
 
+def _cholesky_solve(L, B):
+    """A^{-1} B for A = L L^T by two triangular solves (torch.cholesky_solve's CUDA batch path cannot be graphed)."""
+    return torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, B, upper=False), upper=True)
+
+
 class _JointWrite(torch.autograd.Function):
     """T consecutive joint writes, eq. (correction), with the implicit-differentiation backward of the appendix.
     S0 [P, dk, dv], K [P, T, N, dk], V [P, T, N, dv], w [P, T, N], gamma [P, T] -> S_1..S_T [P, T, dk, dv].
@@ -96,7 +98,7 @@ class _JointWrite(torch.autograd.Function):
         for t in range(K.shape[1]):
             S_bar = gamma[:, t, None, None] * S  # eq. (retention): S_bar = gamma S_{t-1}
             rhs = KW[:, t] @ (V[:, t] - K[:, t] @ S_bar)  # [P, dk, dv]  K^T W (V - K S_bar), the residual form
-            S = S_bar + torch.cholesky_solve(rhs, L[:, t])  # eq. (correction): S_bar + Delta
+            S = S_bar + _cholesky_solve(L[:, t], rhs)  # eq. (correction): S_bar + Delta
             states.append(S)
         states = torch.stack(states, 1)  # [P, T, dk, dv]
         ctx.save_for_backward(S0, K, V, w, gamma, states, L)
@@ -112,7 +114,7 @@ class _JointWrite(torch.autograd.Function):
         # back through S_bar_{t+1} = gamma_{t+1} S_t; A_t Lambda_t = G_t reuses the stored factor.
         lam, carry = [None] * T, 0
         for t in reversed(range(T)):
-            lam[t] = torch.cholesky_solve(g_states[:, t] + carry, L[:, t])  # [P, dk, dv]  Lambda_t = dL/dS_bar_t
+            lam[t] = _cholesky_solve(L[:, t], g_states[:, t] + carry)  # [P, dk, dv]  Lambda_t = dL/dS_bar_t
             carry = gamma[:, t, None, None] * lam[t]  # dL/dS_{t-1} = gamma_t Lambda_t
         lam = torch.stack(lam, 1)  # [P, T, dk, dv]
         prev = torch.cat([S0[:, None], states[:, :-1]], 1)  # [P, T, dk, dv]  S_{t-1}
@@ -163,7 +165,7 @@ def joint_write(S, K, V, w, gamma, frame_valid=None):
 
 def reset_state(state, rows):
     """S <- 0 in the batch rows [B] (bool) whose episode starts; a NaN or inf there is cleared too. state [B, ...]."""
-    return torch.where(rows.bool().view(-1, *([1] * (state.dim() - 1))), torch.zeros_like(state), state)
+    return torch.where(rows.bool().view(-1, *([1] * (state.dim() - 1))), 0.0, state)
 
 
 # ---- The memory layer ------------------------------------------------------------------------------------------
@@ -306,9 +308,8 @@ class DRAMLayer(nn.Module):
         R = R.permute(0, 2, 3, 1, 4).reshape(B, T, M, -1)  # [B, T, M, H dv]  heads concatenated
         if frame_valid is None:
             return self.fuse(x_q, R, q_mask), R, states[:, :, -1]
-        R = R * frame_valid[:, :, None, None].to(R.dtype)
-        y = torch.where(frame_valid[:, :, None, None], self.fuse(x_q, R, q_mask), x_q)
-        return y, R, states[:, :, -1]
+        R = R * frame_valid[:, :, None, None].to(R.dtype)  # [B, T, M, H dv]
+        return torch.where(frame_valid[:, :, None, None], self.fuse(x_q, R, q_mask), x_q), R, states[:, :, -1]
 
     def step(self, x_q, x_k, x_v, state, q_mask=None, kv_mask=None, frame_valid=None):
         """One frame (a control step): forward with T = 1. x_q [B, M, D_Q], ... -> (y [B, M, D_Q], R, new state)."""
@@ -337,8 +338,8 @@ class DRAMStack(nn.Module):
     def forward(self, x, state, mask=None, frame_valid=None):
         """x [B, T, N, D], state [B, L, H, dk, dv] -> (y [B, T, N, D], final state [B, L, H, dk, dv])."""
         new = []
-        for l, layer in enumerate(self.layers):
-            x, _, s = layer(x, x, x, state[:, l], mask, mask, frame_valid)
+        for layer, s in zip(self.layers, state.unbind(1)):
+            x, _, s = layer(x, x, x, s, mask, mask, frame_valid)  # X^Q = X^K = X^V: layer l's fused output
             new.append(s)
         return x, torch.stack(new, 1)
 
