@@ -16,30 +16,36 @@ wiring differs.
    DiT action head: cross-attn to Y_t  <-> self-attn over         action expert layer l attends to
    [state, noisy actions], adaLN(time, instr)                     [backbone k_l, v_l | own tokens] + memory prefix
 
-Interface used by train.py / eval.py (both hosts):
-  encode(images, instr)            frozen parts only, a pure function of the observation -> cacheable features
-  context(feats, instr, state, frame_valid)   advance the memory over a window [B, T, ...] -> (ctx, new_state)
-  step(feats, instr, state)        one control step (one read-write transition) -> (ctx, new_state)
-  loss(feats, instr, state, state_vec, actions, action_mask, frame_valid) -> (sum of per-frame losses, n_frames, state)
-  sample(ctx, state_vec, instr, noise=None, steps=None) -> action chunk [B, C, Da]
-  init_state(B, device), reset_state(state, rows)
+train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
 
-Flow-matching convention (paper eq. fm, pi0's data-to-noise direction), stated once here:
+Flow-matching convention (paper eq. fm, pi0's data-to-noise direction):
   tau = 0 is DATA, tau = 1 is NOISE:  a_tau = (1 - tau) a + tau eps,  target velocity u = d a_tau / d tau = eps - a,
   tau = 0.999 b + 0.001, b ~ Beta(1.5, 1). Sampling integrates from tau = 1 (pure noise) down to tau = 0 with Euler
   steps a <- a - (1/n) v(a, tau).
 """
+import contextlib
 import hashlib
+import io
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
 
+import huggingface_hub
 import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 import dram
 from dram import DRAMConfig, DRAMLayer, DRAMStack
+
+
+class ConfigError(ValueError):
+    """A setting or file the user chose cannot work; the message names the flag or file that fixes it (train.py and
+    eval.py print it as one line, exit status 2)."""
 
 
 @dataclass
@@ -75,65 +81,72 @@ class HostConfig:
         for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
                       ("write_source", ("native_kv", "hidden", "last_hidden"))):
             if getattr(self, k) not in ok:
-                raise ValueError(f"--{k.replace('_', '-')} must be one of {', '.join(ok)}; got {getattr(self, k)!r}")
+                raise ConfigError(f"--{k.replace('_', '-')} must be one of {', '.join(ok)}; got {getattr(self, k)!r}")
         if self.host == "dit" and self.d_model % self.head_heads:  # the DiT head splits d_model into head_heads
-            raise ValueError(f"HostConfig.d_model = {self.d_model} (train.py --d-model) must be a multiple of "
-                             f"head_heads = {self.head_heads}")
+            raise ConfigError(f"HostConfig.d_model = {self.d_model} (train.py --d-model) must be a multiple of "
+                              f"head_heads = {self.head_heads}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Frozen vision tower (shared by both hosts)
-# --------------------------------------------------------------------------------------------------------------
+# ---- Frozen vision tower (shared by both hosts) ------------------------------------------------------------------
+
+def hub_reachable(timeout=3.0):
+    """One request to the model hub, answered within `timeout` seconds or taken as offline."""
+    try:
+        huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
+        return True
+    except Exception:
+        return False
 
 
 class FrozenTower(nn.Module):
-    """timm tower, frozen: eval mode, requires_grad False, no_grad, the model's own normalisation.
-
-    With pretrained=False the random weights come from a fixed seed, so every process (training, cache,
-    evaluation) builds the bit-identical tower; `fingerprint()` keys the feature cache and is checked at load."""
+    """timm tower, frozen: eval mode, requires_grad False, no_grad, the model's own normalisation. Its random
+    weights come from a fixed seed, so every process (training, cache, evaluation) builds the bit-identical tower;
+    `fingerprint()` keys the feature cache and is checked at load."""
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
-        kw = dict(pretrained=cfg.pretrained, num_classes=0)
-        if cfg.weights_file:  # custom_load off: timm 1.0.24 and older read any file of an .npz model (vit_tiny) as .npz
-            kw.update(pretrained=True, pretrained_cfg_overlay=dict(file=cfg.weights_file, custom_load=False))
         if ":" not in cfg.vision and not timm.is_model(cfg.vision):  # (hf-hub: / local-dir: names are timm's too)
-            raise ValueError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
+            raise ConfigError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
         probe = timm.create_model(cfg.vision, pretrained=False, num_classes=0)
         self.is_vit = hasattr(probe, "patch_embed")
+        size = {}
         if self.is_vit:
             patch = probe.patch_embed.patch_size[0]
             if cfg.image_size % patch:
-                ok = [s for s in range(patch, 4 * cfg.image_size, patch)]
-                near = min(ok, key=lambda s: abs(s - cfg.image_size))
-                raise ValueError(f"--image-size {cfg.image_size} is not a multiple of {cfg.vision}'s patch size {patch}; use e.g. {near}")
-            kw["img_size"] = cfg.image_size
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            try:
-                self.model = timm.create_model(cfg.vision, **kw)
-            except Exception as e:
-                if cfg.weights_file:
-                    raise ValueError(f"--weights-file {cfg.weights_file}: cannot load it into {cfg.vision} "
-                                     f"({type(e).__name__}: {e})") from e
-                if not (kw["pretrained"] and isinstance(e, OSError)):  # OSError: hub download / connection errors
-                    raise
-                raise RuntimeError(f"{cfg.vision}: the pretrained weights could not be fetched from the timm hub "
-                                   f"({type(e).__name__}: {e}); offline, download them elsewhere and pass "
-                                   f"--weights-file, or train without them (--no-pretrained)") from e
-        if cfg.weights_file:
-            # timm loads a file non-strictly once the classifier is dropped (num_classes=0): a file of another model
-            # would leave the tower at its random initialisation without an error, so compare against that
+                near = max(patch, round(cfg.image_size / patch) * patch)
+                raise ConfigError(f"--image-size {cfg.image_size} is not a multiple of {cfg.vision}'s patch size "
+                                  f"{patch}; use e.g. {near}")
+            size = dict(img_size=cfg.image_size)
+
+        def create(pretrained, **kw):  # seeded in a forked generator: the caller's random stream is left as it was
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                init = timm.create_model(cfg.vision, **{**kw, "pretrained": False}).state_dict()
-            loaded = self.model.state_dict()
-            drawn = [n for n, v in init.items() if v.is_floating_point() and v.numel() > 1 and v.std() > 0]  # random
-            kept = [n for n in drawn if torch.equal(init[n], loaded[n])]
-            if len(kept) > len(drawn) // 2:
-                raise ValueError(f"--weights-file {cfg.weights_file}: {len(kept)} of the {len(drawn)} randomly "
-                                 f"initialised tensors of {cfg.vision} were not in it (e.g. {kept[:3]}); is it that "
-                                 f"model's weights?")
+                return timm.create_model(cfg.vision, pretrained=pretrained, num_classes=0, **size, **kw)
+
+        self.model = create(False)
+        if cfg.weights_file:
+            random_init = self.fingerprint()
+            try:  # custom_load off: timm reads any file of an .npz model (vit_tiny) as .npz
+                self.model = create(True, pretrained_cfg_overlay=dict(file=cfg.weights_file, custom_load=False))
+            except Exception as e:
+                raise ConfigError(f"--weights-file {cfg.weights_file}: cannot load it into {cfg.vision} "
+                                  f"({type(e).__name__}: {e})") from e
+            # timm loads a file non-strictly once the classifier is dropped: a file of another model would leave the
+            # tower at its random initialisation without an error
+            if self.fingerprint() == random_init:
+                raise ConfigError(f"--weights-file {cfg.weights_file}: {cfg.vision}'s weights are not in it (the tower "
+                                  f"kept its random initialisation); is it that model's file?")
+        elif cfg.pretrained:
+            # offline, huggingface_hub retries each file for about 50 s: then read the local cache only
+            offline = not cfg.vision.startswith("local-dir:") and not hub_reachable()
+            cache_only = mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+            try:
+                with cache_only if offline else contextlib.nullcontext():
+                    self.model = create(True)
+            except OSError as e:  # hub download / connection errors
+                why = "the hub is unreachable, the local cache lacks them" if offline else " ".join(str(e).split())
+                raise ConfigError(f"{cfg.vision}: no pretrained weights ({why}); pass --weights-file PATH (the "
+                                  f"weights downloaded elsewhere) or train without them: --no-pretrained") from e
         dc = timm.data.resolve_model_data_config(self.model)
         self.register_buffer("mean", torch.tensor(dc["mean"]).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(dc["std"]).view(1, 3, 1, 1), persistent=False)
@@ -167,11 +180,9 @@ class FrozenTower(nn.Module):
 
 
 def sincos_2d(P, D):
-    """2-D sin-cos position code of a square grid of P tokens (row-major) -> [P, D], entries in [-1, 1]."""
-    side = int(round(math.sqrt(P)))
-    if side * side != P or D % 4:
-        return 0.02 * torch.randn(P, D)  # non-square token layout: plain learned embedding
-    y, x = torch.meshgrid(torch.arange(side, dtype=torch.float32), torch.arange(side, dtype=torch.float32), indexing="ij")
+    """2-D sin-cos position code of the square grid of P tokens (row-major) of a square image -> [P, D] (4 | D)."""
+    grid = torch.arange(math.isqrt(P), dtype=torch.float32)
+    y, x = torch.meshgrid(grid, grid, indexing="ij")
     freqs = 1.0 / (100.0 ** (torch.arange(D // 4, dtype=torch.float32) / (D // 4)))  # [D/4]
     ang_y, ang_x = y.reshape(-1, 1) * freqs, x.reshape(-1, 1) * freqs  # [P, D/4] each
     return torch.cat([ang_y.sin(), ang_y.cos(), ang_x.sin(), ang_x.cos()], 1)  # [P, D]
@@ -179,31 +190,16 @@ def sincos_2d(P, D):
 
 def stack_cameras(images, cameras, device):
     """dict cam -> uint8 [B, H, W, 3] -> uint8 tensor [B * n_cam, H, W, 3] (camera-major within each frame)."""
-    missing = [c for c in cameras if c not in images]
-    if missing:
-        raise KeyError(f"observation is missing camera(s) {missing}; have {sorted(images)}")
     x = torch.stack([torch.as_tensor(images[c]) for c in cameras], 1)  # [B, n_cam, H, W, 3]
     return x.flatten(0, 1).to(device)  # [B n_cam, H, W, 3]
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Shared pieces of the action heads
-# --------------------------------------------------------------------------------------------------------------
+# ---- Shared by both hosts: flow matching, the Host interface -----------------------------------------------------
 
-
-def sample_tau(n, device, inverse_cdf=None):
-    """tau = 0.999 b + 0.001, b ~ Beta(1.5, 1) (eq. fm): favours the noisy end tau -> 1.
-
-    Two samplers of the same law. On a GPU (inverse_cdf=None picks it off the CPU) b = U^(2/3), U ~ U(0, 1), the
-    inverse of Beta(1.5, 1)'s CDF F(b) = b^1.5, drawn on the device: a training step captured as a CUDA graph
-    then draws new tau at every replay (a CPU draw copied over would be frozen into the graph). On the CPU
-    torch.distributions' Beta sampler, whose random stream the README's CPU runs were trained with."""
-    if inverse_cdf is None:
-        inverse_cdf = torch.device(device).type != "cpu"
-    if inverse_cdf:
-        b = torch.rand(n, device=device) ** (2.0 / 3.0)
-    else:
-        b = torch.distributions.Beta(torch.tensor(1.5), torch.tensor(1.0)).sample((n,)).to(device)
+def sample_tau(n, device):
+    """tau = 0.999 b + 0.001, b ~ Beta(1.5, 1) (eq. fm), which favours the noisy end tau -> 1. [n] on `device`.
+    Inverse CDF: F(b) = b^1.5, so b = U^(2/3) with U ~ U(0, 1)."""
+    b = torch.rand(n, device=device) ** (2.0 / 3.0)
     return 0.999 * b + 0.001
 
 
@@ -230,21 +226,12 @@ class AdaLN(nn.Module):
         return self.ln(x) * (1 + scale) + shift
 
 
-def mha(q, k, v, n_heads, mask=None):
-    """q [B, n, d], k/v [B, m, d] -> [B, n, d]; plain multi-head attention (heads split from the width)."""
-    B, n, d = q.shape
-    split = lambda x: x.view(B, x.shape[1], n_heads, d // n_heads).transpose(1, 2)  # [B, h, *, d/h]
-    o = F.scaled_dot_product_attention(split(q), split(k), split(v), attn_mask=mask)  # [B, h, n, d/h]
-    return o.transpose(1, 2).reshape(B, n, d)
-
-
 class FlowHead(nn.Module):
-    """Common flow-matching wrapper around a velocity network v(a_tau, tau; ctx, state, instr)."""
+    """Flow matching (eq. fm) around a velocity network v(a_tau, tau; ctx, state, instr)."""
 
     def fm_loss(self, ctx, state_vec, instr, actions, action_mask):
-        """eq. (fm) for F frames: actions [F, C, Da], action_mask [F, C] -> per-frame loss [F] (masked mean)."""
-        Fr = actions.shape[0]
-        tau = sample_tau(Fr, actions.device)  # [F]
+        """F frames: actions [F, C, Da], action_mask [F, C] -> per-frame loss [F] (mean over the valid actions)."""
+        tau = sample_tau(actions.shape[0], actions.device)  # [F]
         eps = torch.randn_like(actions)
         a_tau = (1 - tau[:, None, None]) * actions + tau[:, None, None] * eps
         u = eps - actions
@@ -262,13 +249,65 @@ class FlowHead(nn.Module):
         return a
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Shared-source pattern: the DiT host
-# --------------------------------------------------------------------------------------------------------------
+class Host(nn.Module):
+    """What train.py and eval.py see. DiTHost and VLAHost build the memory and head and define encode / context."""
 
+    cuda_graphs = False  # eval.py may capture the control step as a CUDA graph (checked on a GPU for the DiT host)
+    reset_state = staticmethod(dram.reset_state)
+
+    def __init__(self, cfg: HostConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tower = FrozenTower(cfg)
+
+    def init_state(self, batch_size, device=None):
+        """S_0 = 0 of every memory layer, fp32 [B, L_mem, H, dk, dv] ([B, 0] without memory)."""
+        if self.memory is None:
+            return torch.zeros(batch_size, 0, device=device)
+        layers = getattr(self.memory, "layers", self.memory)  # a DRAMStack's layers, or the vla host's list
+        return torch.stack([m.init_state(batch_size, device) for m in layers], 1)
+
+    def instr_ids(self, instructions, device=None):
+        """Instruction strings -> ids into the vocabulary saved with the checkpoint; unknown ones are an error."""
+        index = {s: i for i, s in enumerate(self.cfg.vocab)}
+        unknown = [s for s in instructions if s not in index]
+        if unknown:
+            raise KeyError(f"instruction(s) unknown to this checkpoint: {unknown!r}; it was trained on "
+                           f"{list(self.cfg.vocab)!r}")
+        return torch.tensor([index[s] for s in instructions], device=device)
+
+    def step(self, feats, instr, state):
+        """One control step: exactly one memory read-write transition. feats [B, ...] -> (ctx [B, ...], new_state)."""
+        ctx, state = self.context(feats[:, None], instr, state)
+        return {k: v[:, 0] for k, v in ctx.items()}, state
+
+    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid):
+        """Flow-matching loss of a TBPTT window. feats [B, T, ...], state_vec [B, T, Ds], actions [B, T, C, Da],
+        action_mask [B, T, C], frame_valid [B, T]. Gradients run through the whole window (reads, gates, solve);
+        only the F valid frames reach the head. -> (sum of their per-frame losses, F [] long, new memory state)."""
+        ctx, new_state = self.context(feats, instr, state, frame_valid)  # ctx values [B, T, ...]
+        B, T = frame_valid.shape
+        sel = frame_valid.reshape(-1)  # [B T]
+        pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
+        ctx_v = {k: pick(v) for k, v in ctx.items()}
+        instr_v = pick(instr[:, None].expand(B, T))  # [F]
+        per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F]
+        return per_frame.sum(), sel.sum(), new_state
+
+    def sample(self, ctx, state_vec, instr, noise=None, steps=None):
+        """Action chunk [B, C, Da] (normalised units) for one frame's context; noise fixes the draw for tests."""
+        if noise is None:
+            noise = torch.randn(state_vec.shape[0], self.cfg.chunk, self.cfg.action_dim, device=state_vec.device)
+        return self.head.sample(ctx, state_vec, instr, noise, steps or self.cfg.flow_steps)
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+# ---- Shared-source pattern: the DiT host -------------------------------------------------------------------------
 
 class DiTBlock(nn.Module):
-    """GR00T-style block: adaLN -> attention (cross to the frame tokens Y, or self over [state, actions]) -> LN -> MLP."""
+    """GR00T-style block: adaLN, attention (cross to the frame tokens Y, or self over [state, actions]), LN, MLP."""
 
     def __init__(self, d, d_ctx, n_heads, cross):
         super().__init__()
@@ -283,19 +322,17 @@ class DiTBlock(nn.Module):
     def forward(self, x, temb, y):  # x [B, 1 + C, d], y [B, n, d_ctx]
         h = self.norm1(x, temb)
         k, v = self.kv(y if self.cross else h).chunk(2, -1)
-        x = x + self.o(mha(self.q(h), k, v, self.n_heads))
+        heads = lambda z: z.unflatten(-1, (self.n_heads, -1)).transpose(1, 2)  # [B, h, *, d/h]
+        o = F.scaled_dot_product_attention(heads(self.q(h)), heads(k), heads(v))  # [B, h, 1 + C, d/h]
+        x = x + self.o(o.transpose(1, 2).flatten(2))  # [B, 1 + C, d]
         return x + self.mlp(self.norm2(x))
 
 
 class DiTHead(FlowHead):
     """DiT action head: tokens [state, a_tau^1..C] (learned positions on actions), adaLN on the flow time and the
-    instruction, blocks alternating cross-attention to the conditioning tokens Y and self-attention.
-
-    Why the instruction also enters the adaLN: in GR00T the conditioning tokens come from a vision-language model, so
-    every token carries the instruction. Here the tower sees images only and the instruction is one token among
-    n_cam P + 1, which the head has to find by cross-attention. Adding a learned instruction embedding to the time
-    embedding (FiLM-style) lets every block depend on the task directly. On the embedded suite it raised the mean
-    success of the default run by about 5 points over seven seeds, mostly through cue_location (README, Measured)."""
+    instruction, blocks alternating cross-attention to the conditioning tokens Y and self-attention. In GR00T the
+    VLM's tokens carry the instruction; this tower sees images only, so a learned instruction embedding joins the
+    time embedding (FiLM-style)."""
 
     def __init__(self, cfg: HostConfig, d_ctx):
         super().__init__()
@@ -304,7 +341,8 @@ class DiTHead(FlowHead):
         self.action_in = nn.Linear(cfg.action_dim, d)
         self.pos = nn.Parameter(0.02 * torch.randn(cfg.chunk, d))
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
-        self.blocks = nn.ModuleList([DiTBlock(d, d_ctx, cfg.head_heads, cross=(i % 2 == 0)) for i in range(cfg.head_blocks)])
+        self.blocks = nn.ModuleList([DiTBlock(d, d_ctx, cfg.head_heads, cross=(i % 2 == 0))
+                                     for i in range(cfg.head_blocks)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
         self.instr_cond = nn.Embedding(max(len(cfg.vocab), 1), d)  # instruction -> adaLN conditioning
         self.d = d
@@ -317,81 +355,23 @@ class DiTHead(FlowHead):
         return self.out(x[:, 1:])  # [B, C, Da]
 
 
-class Host(nn.Module):
-    """What train.py and eval.py see. Subclasses define encode / context / head."""
-
-    # True where encode + step + sample never wait for the host, so that eval.py may capture a control step as CUDA
-    # graphs (checked on a GPU by test_cuda_graph_policy_acts_like_the_eager_policy)
-    cuda_graphs = False
-
-    def instr_ids(self, instructions, device=None):
-        """Instruction strings -> ids into the vocabulary saved with the checkpoint; unknown ones are an error."""
-        index = {s: i for i, s in enumerate(self.cfg.vocab)}
-        unknown = [s for s in instructions if s not in index]
-        if unknown:
-            raise KeyError(f"instruction(s) unknown to this checkpoint: {unknown!r}; it was trained on {list(self.cfg.vocab)!r}")
-        return torch.tensor([index[s] for s in instructions], device=device)
-
-    def reset_state(self, state, rows):
-        return dram.reset_state(state, rows)
-
-    def step(self, feats, instr, state):
-        """One control step: exactly one memory read-write transition. feats [B, ...] -> (ctx [B, ...], new_state)."""
-        ctx, state = self.context(feats[:, None], instr, state)
-        return {k: v[:, 0] for k, v in ctx.items()}, state
-
-    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid, fixed_shapes=False):
-        """Flow-matching loss of a TBPTT window. feats [B, T, ...], state_vec [B, T, Ds], actions [B, T, C, Da],
-        action_mask [B, T, C], frame_valid [B, T]. Gradients run through the whole window (reads, gates, solve).
-        Returns (sum over valid frames of the per-frame loss, number of valid frames [] long, new memory state).
-
-        Only the valid frames reach the memory's projections and the head, selected by boolean indexing (shapes
-        depend on frame_valid's values). fixed_shapes=True runs all B T frames and zeroes the padded frames'
-        losses instead: the same loss (for the same tau and noise), no host round trip, ~20% more work."""
-        ctx, new_state = self.context(feats, instr, state, frame_valid, fixed_shapes)  # ctx values [B, T, ...]
-        B, T = frame_valid.shape
-        sel = frame_valid.reshape(-1)  # [B T]
-        flat = lambda x: x.reshape(B * T, *x.shape[2:])  # [B, T, ...] -> [B T, ...]
-        pick = flat if fixed_shapes else lambda x: flat(x)[sel]  # default: only valid frames reach the head [F, ...]
-        ctx_v = {k: pick(v) for k, v in ctx.items()}
-        instr_v = pick(instr[:, None].expand(B, T))  # [F | B T]
-        per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F | B T]
-        if fixed_shapes:
-            per_frame = per_frame * sel.to(per_frame.dtype)
-        return per_frame.sum(), sel.sum(), new_state
-
-    def sample(self, ctx, state_vec, instr, noise=None, steps=None):
-        """Action chunk [B, C, Da] (normalised units) for one frame's context; noise fixes the draw for tests."""
-        B = state_vec.shape[0]
-        if noise is None:
-            noise = torch.randn(B, self.cfg.chunk, self.cfg.action_dim, device=state_vec.device)
-        return self.head.sample(ctx, state_vec, instr, noise, steps or self.cfg.flow_steps)
-
-    def trainable_parameters(self):
-        return [p for p in self.parameters() if p.requires_grad]
-
-
 class DiTHost(Host):
     """Shared-source pattern (appendix, DiT host): frame tokens are query, key and value sources at once (M = N)."""
 
     cuda_graphs = True
 
     def __init__(self, cfg: HostConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tower = FrozenTower(cfg)
+        super().__init__(cfg)
         D = self.tower.width
-        n_cam = len(cfg.cameras)
-        self.cam_embed = nn.Parameter(0.02 * torch.randn(n_cam, 1, D))  # learned camera embedding
-        # learned patch-position embedding, initialised with a 2-D sin-cos grid: attention is permutation
-        # invariant, so the head only knows where a token is if the token says so. Pretrained towers encode it
-        # strongly; a randomly initialised tower (offline tests, the embedded suite) barely does (~0.3% of the
-        # token power), which makes localisation needlessly slow to learn.
+        self.cam_embed = nn.Parameter(0.02 * torch.randn(len(cfg.cameras), 1, D))  # learned camera embedding
+        # learned patch-position embedding, initialised with a 2-D sin-cos grid: attention is permutation invariant,
+        # and a randomly initialised tower (the embedded suite) barely encodes position in its tokens
         with torch.no_grad():
             P = self.tower.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]
         self.patch_pos = nn.Parameter(sincos_2d(P, D))  # [P, D]
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), D)  # learned instruction token
-        mcfg = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=cfg.mem_heads, head_dk=cfg.mem_dk, head_dv=cfg.mem_dv, mixer=cfg.mixer)
+        mcfg = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=cfg.mem_heads, head_dk=cfg.mem_dk, head_dv=cfg.mem_dv,
+                          mixer=cfg.mixer)
         self.memory = DRAMStack(mcfg, cfg.mem_depth) if cfg.memory == "dram" else None
         self.head = DiTHead(cfg, D)
 
@@ -400,33 +380,23 @@ class DiTHost(Host):
         -> patch tokens [B, n_cam P, D] (a pure function of the observation, hence cacheable)."""
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         tok = self.tower.patch_tokens(self.tower.preprocess(x))  # [B n_cam, P, D]
-        n_cam = len(self.cfg.cameras)
-        return tok.reshape(-1, n_cam * tok.shape[1], tok.shape[2])  # [B, n_cam P, D]
+        return tok.reshape(-1, len(self.cfg.cameras) * tok.shape[1], tok.shape[2])  # [B, n_cam P, D]
 
-    def init_state(self, batch_size, device=None):
-        if self.memory is None:
-            return torch.zeros(batch_size, 0, device=device)
-        return self.memory.init_state(batch_size, device)
-
-    def context(self, feats, instr, state, frame_valid=None, fixed_shapes=False):
+    def context(self, feats, instr, state, frame_valid=None):
         """feats [B, T, n_cam P, D] -> ({"tokens": Y [B, T, n_cam P + 1, D]}, new_state)."""
         B, T, NP, D = feats.shape
         n_cam = len(self.cfg.cameras)
-        x = feats.to(self.cam_embed.dtype).view(B, T, n_cam, NP // n_cam, D) + self.cam_embed + self.patch_pos
-        # x: [B, T, n_cam, P, D]
-        x = x.reshape(B, T, NP, D)
+        x = feats.to(self.cam_embed.dtype).view(B, T, n_cam, NP // n_cam, D)  # [B, T, n_cam, P, D]
+        x = (x + self.cam_embed + self.patch_pos).reshape(B, T, NP, D)
         lang = self.instr_embed(instr)[:, None, None].expand(B, T, 1, D)  # [B, T, 1, D]
         x = torch.cat([x, lang], 2)  # [B, T, N, D] the frame's token sequence X_t
         if self.memory is None:
             return {"tokens": x}, state
-        y, state = self.memory(x, state, None, frame_valid, fixed_shapes)  # shared source: X^Q = X^K = X^V = X_t
+        y, state = self.memory(x, state, None, frame_valid)  # shared source: X^Q = X^K = X^V = X_t
         return {"tokens": y}, state
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Separate-source pattern: the pi0.5-style host
-# --------------------------------------------------------------------------------------------------------------
-
+# ---- Separate-source pattern: the pi0.5-style host ---------------------------------------------------------------
 
 def rope(x, pos):
     """Rotary position embedding (half-split form). x [B, h, n, dh], pos [n] (float) -> rotated x."""
@@ -438,24 +408,11 @@ def rope(x, pos):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
-def expert_attention(q, k, v, k_pre, v_pre, gate):
-    """Action-expert attention with a memory prefix. q [B, h, n, dh] (rotated), k/v [B, h, m, dh] (backbone + own
-    tokens, rotated keys), k_pre/v_pre [B, h, M, dh] (memory prefix: reserved position -1, keys NOT rotated) or None,
-    gate [h] zero-initialised.
-
-    The prefix gets its own softmax and is added through the gate (zero-gated attention as in LLaMA-Adapter): a
-    zero-valued prefix in the joint softmax would still take probability mass from the host's keys, whereas this
-    form is an exact no-op at initialisation and learns how much history to let in."""
-    o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, dh]
-    if k_pre is None:
-        return o
-    o_pre = F.scaled_dot_product_attention(q, k_pre, v_pre)  # [B, h, n, dh]
-    return o + gate.view(1, -1, 1, 1).to(o.dtype) * o_pre
-
-
 class ExpertLayer(nn.Module):
     """Action-expert layer l (pi0-style): its tokens attend to backbone layer l's native keys/values plus their own,
-    plus the memory prefix of memory layer l."""
+    plus the memory prefix of memory layer l. The prefix gets its own softmax, added through a zero-initialised gate
+    per head (LLaMA-Adapter): a zero prefix in the joint softmax would still take probability mass from the host's
+    keys; this form is an exact no-op at initialisation and learns how much history to let in."""
 
     def __init__(self, d, n_heads, memory):
         super().__init__()
@@ -467,7 +424,7 @@ class ExpertLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         if memory:
             self.pre_k, self.pre_v = nn.Linear(d, d), nn.Linear(d, d)  # readout -> prefix keys / values
-            self.gate = nn.Parameter(torch.zeros(n_heads))  # zero-init: exact no-op at initialisation
+            self.gate = nn.Parameter(torch.zeros(n_heads))
 
     def forward(self, x, temb, kv_l, prefix):
         """x [B, n, d] own tokens, kv_l [B, 2, m, d] backbone layer-l native (pre-RoPE) keys/values,
@@ -480,11 +437,11 @@ class ExpertLayer(nn.Module):
         pos_own = torch.arange(m, m + n, device=x.device)  # the expert's tokens follow them
         kb, vb = heads(kv_l[:, 0].to(x.dtype)), heads(kv_l[:, 1].to(x.dtype))  # [B, h, m, d/h]
         k_all = torch.cat([rope(kb, pos_host), rope(k, pos_own)], 2)  # [B, h, m + n, d/h]
-        v_all = torch.cat([vb, v], 2)
-        k_pre = v_pre = None
+        q = rope(q, pos_own)
+        o = F.scaled_dot_product_attention(q, k_all, torch.cat([vb, v], 2))  # [B, h, n, d/h]
         if prefix is not None:  # memory slots: reserved position -1 => their keys are not rotated
             k_pre, v_pre = heads(self.pre_k(prefix)), heads(self.pre_v(prefix))  # [B, h, M, d/h]
-        o = expert_attention(rope(q, pos_own), k_all, v_all, k_pre, v_pre, getattr(self, "gate", None))
+            o = o + self.gate.view(1, -1, 1, 1).to(o.dtype) * F.scaled_dot_product_attention(q, k_pre, v_pre)
         x = x + self.o(o.transpose(1, 2).reshape(B, n, d))
         return x + self.mlp(self.norm2(x))
 
@@ -516,22 +473,19 @@ class ExpertHead(FlowHead):
 class VLAHost(Host):
     """Separate-source pattern (appendix, pi0.5 host) at a size that runs: a frozen ViT as the "VLM" backbone
     ([instruction token | patch tokens of all cameras] through its first `vla_layers` blocks), memory layers aligned
-    with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert.
-    Not captured as CUDA graphs (cuda_graphs False): not yet checked on a GPU."""
+    with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert."""
 
     def __init__(self, cfg: HostConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tower = FrozenTower(cfg)
+        super().__init__(cfg)
         vit = self.tower.model
         if not self.tower.is_vit or not hasattr(vit, "blocks"):
-            raise ValueError(f"--host vla needs a ViT backbone with .blocks, {cfg.vision} has none")
+            raise ConfigError(f"--host vla needs a ViT backbone with .blocks, {cfg.vision} has none")
         if cfg.vla_layers > len(vit.blocks):
-            raise ValueError(f"--vla-layers {cfg.vla_layers} > {len(vit.blocks)} blocks of {cfg.vision}")
+            raise ConfigError(f"--vla-layers {cfg.vla_layers} > {len(vit.blocks)} blocks of {cfg.vision}")
         D, nh = vit.embed_dim, vit.blocks[0].attn.num_heads
-        self.D, self.nh = D, nh
-        mem = cfg.memory == "dram"
-        if mem:
+        self.D = D
+        self.memory = None
+        if cfg.memory == "dram":
             self.slots = nn.Parameter(0.02 * torch.randn(cfg.query_slots, D))  # M learned query slots
             if cfg.write_source == "native_kv":  # the backbone's own per-head keys/values, no DRAM projection
                 mc = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=nh, head_dk=D // nh, head_dv=D // nh, kv_proj=False)
@@ -539,28 +493,23 @@ class VLAHost(Host):
                 mc = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=cfg.mem_heads, head_dk=cfg.mem_dk, head_dv=cfg.mem_dv)
             n_mem = cfg.mem_depth if cfg.write_source == "last_hidden" else cfg.vla_layers
             self.memory = nn.ModuleList([DRAMLayer(mc) for _ in range(n_mem)])
-        else:
-            self.memory = None
-        self.head = ExpertHead(cfg, D, nh, mem)
+        self.head = ExpertHead(cfg, D, nh, cfg.memory == "dram")
         # frozen 'language model' embedding: a fixed pseudo-random vector per instruction string (seeded by its hash,
         # not by the vocabulary's order), so the frozen features stay a pure function of (observation, instruction)
         seeds = [int(hashlib.sha1(s.encode()).hexdigest()[:12], 16) for s in cfg.vocab]
         table = [torch.randn(D, generator=torch.Generator().manual_seed(sd)) for sd in seeds]
         self.register_buffer("text_table", torch.stack(table) if table else torch.zeros(0, D), persistent=False)
 
-    def text_token(self, instr):
-        """instruction ids [B] -> their frozen text tokens [B, D] (a lookup on the device: no host round trip)."""
-        return self.text_table[instr.to(self.text_table.device)]
-
     @torch.no_grad()
     def encode(self, images, instr):
-        """-> per-layer features [B, L * 3 * n, D] (viewed as [B, L, 3, n, D]): native key, native value (the qkv projection's outputs, pre-RoPE)
-        and the hidden output of each backbone layer; n = 1 + n_cam P ([instruction | patches])."""
+        """-> per-layer features [B, L 3 n, D] (viewed as [B, L, 3, n, D]): native key, native value (the qkv
+        projection's outputs, pre-RoPE) and the hidden output of each backbone layer; n = 1 + n_cam P."""
         vit = self.tower.model
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         p = vit._pos_embed(vit.patch_embed(self.tower.preprocess(x)))[:, vit.num_prefix_tokens :]  # [B n_cam, P, D]
         B = p.shape[0] // len(self.cfg.cameras)
-        h = torch.cat([self.text_token(instr)[:, None].to(p.dtype), p.reshape(B, -1, self.D)], 1)  # [B, n, D]
+        text = self.text_table[instr.to(self.text_table.device)]  # [B, D] the instructions' frozen text tokens
+        h = torch.cat([text[:, None].to(p.dtype), p.reshape(B, -1, self.D)], 1)  # [B, n, D]
         h = vit.norm_pre(h)  # as timm's forward_features before the blocks (a LayerNorm in CLIP-style towers)
         feats = []
         for blk in vit.blocks[: self.cfg.vla_layers]:
@@ -572,16 +521,11 @@ class VLAHost(Host):
             feats.append(torch.stack([k, v, h], 1))  # [B, 3, n, D]
         return torch.stack(feats, 1).flatten(1, 3)  # [B, L 3 n, D]: flat like the DiT tokens, for the cache
 
-    def init_state(self, batch_size, device=None):
-        if self.memory is None:
-            return torch.zeros(batch_size, 0, device=device)
-        return torch.stack([m.init_state(batch_size, device) for m in self.memory], 1)  # [B, L_mem, H, dk, dv]
-
-    def context(self, feats, instr, state, frame_valid=None, fixed_shapes=False):
+    def context(self, feats, instr, state, frame_valid=None):
         """feats [B, T, L 3 n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
         Only the query slots evolve across memory layers; the host's own tokens are untouched."""
         B, T, LN, D = feats.shape
-        L = self.cfg.vla_layers
+        L, ws = self.cfg.vla_layers, self.cfg.write_source
         feats = feats.view(B, T, L, 3, LN // (3 * L), D)  # [B, T, L, 3, n, D]: (native k, native v, hidden)
         ctx = {"kv": feats[:, :, :, :2]}
         if self.memory is None:
@@ -589,50 +533,89 @@ class VLAHost(Host):
         q = self.slots.expand(B, T, *self.slots.shape)  # [B, T, M, D]
         outs, new = [], []
         for l, layer in enumerate(self.memory):
-            src = feats[:, :, -1, 2] if self.cfg.write_source == "last_hidden" else feats[:, :, l]  # [B, T, (3,) n, D]
-            if self.cfg.write_source == "native_kv":
-                xk, xv = src[:, :, 0], src[:, :, 1]  # backbone layer-l keys / values [B, T, n, D]
-            elif self.cfg.write_source == "hidden":
-                xk = xv = src[:, :, 2]  # backbone layer-l hidden tokens
-            else:
-                xk = xv = src  # final-layer hidden tokens, shared by every memory layer
-            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid, fixed_shapes)  # [B, T, M, D]
+            # last_hidden: every memory layer writes the last backbone layer's hidden tokens
+            k, v, h = feats[:, :, -1 if ws == "last_hidden" else l].unbind(2)  # [B, T, n, D] each
+            xk, xv = (k, v) if ws == "native_kv" else (h, h)
+            q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid)  # [B, T, M, D]
             outs.append(q)
             new.append(s)
-        prefix = torch.stack(outs[-1:] if self.cfg.write_source == "last_hidden" else outs, 2)  # [B, T, L_mem, M, D]
-        ctx["prefix"] = prefix
+        ctx["prefix"] = torch.stack(outs[-1:] if ws == "last_hidden" else outs, 2)  # [B, T, L_mem, M, D]
         return ctx, torch.stack(new, 1)
 
 
-def capture_cuda_graph(fn, warmup=3, after_warmup=None, device=None):
-    """Record fn() as a CUDA graph. Returns (graph, out): graph.replay() reruns all of fn's kernels with one launch,
-    on the same input buffers (the tensors fn reads) and into the same output buffers (out). fn must not
-    synchronise with the host (no .item(), no shapes that depend on data). Warm-up runs (cuBLAS workspaces, lazy
-    initialisation) go on a side stream first, as torch.cuda.graph requires; they execute fn. after_warmup() runs
-    between them and the capture. device: the GPU that fn's tensors live on (None: the current one); streams are
-    per device, and kernels launched on another device's stream would not be captured. The graph keeps fn (and so
-    every tensor fn refers to: weights, optimizer state, static inputs) alive: a replay reads and writes their
-    memory by address, and memory freed after the capture would be reused by other tensors or handed back to the
-    driver (torch.cuda.graph empties the cache on entry), a silent corruption or an illegal access. Used by eval.py
-    (control step), train.py (training step) and bench.py."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        if after_warmup is not None:
-            after_warmup()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-    graph.fn = fn
-    return graph, out
-
-
 def make_host(name, config: HostConfig):
-    """Factory used by train.py / eval.py."""
     config.host = name
     config.__post_init__()  # the host's name and the settings changed since construction are checked again
     return DiTHost(config) if name == "dit" else VLAHost(config)
+
+
+# ---- Checkpoints: the host's config and trained weights (+ train.py's state to resume exactly) -------------------
+
+def trainable_state(host):
+    """The trained weights on the CPU (the frozen tower is rebuilt from the config, not stored)."""
+    keep = {n for n, p in host.named_parameters() if p.requires_grad}
+    return {k: v.detach().cpu() for k, v in host.state_dict().items() if k in keep}
+
+
+def save_checkpoint(path, obj):
+    """Atomic: write a temporary file, then rename, so an interruption never leaves a corrupt checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def nonfinite(named_tensors):
+    """Names of the floating-point tensors holding NaN/inf (one host sync for all of them)."""
+    named = [(n, v) for n, v in named_tensors if torch.is_floating_point(v)]
+    ok = torch.stack([torch.isfinite(v).all() for _, v in named]).tolist() if named else []
+    return [n for (n, _), good in zip(named, ok) if not good]
+
+
+def read_checkpoint(path):
+    """-> ckpt dict on the CPU, with ckpt["file_sha1"] naming the file's bytes (read once). A file that is not a
+    train.py checkpoint (truncated, another format or program, NaN/inf weights) raises data.DataError naming it."""
+    raw = Path(path).read_bytes()
+    try:
+        ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
+    for k in ("config", "model", "stats", "tower_fingerprint"):
+        if not isinstance(ck, dict) or k not in ck:
+            raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
+    bad = nonfinite(ck["model"].items())
+    if bad:
+        raise data.DataError(f"{path}: the weights {bad[:3]} hold NaN/inf; this checkpoint cannot act or resume")
+    ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
+    return ck
+
+
+def check_config(ck, path, expect):
+    """The saved host config must hold the values of `expect` (HostConfig field -> value)."""
+    for k, v in expect.items():
+        if ck["config"][k] != v:
+            raise ConfigError(f"{path} was trained with {k}={ck['config'][k]!r}, this run has {k}={v!r}")
+
+
+def load_weights(host, ck, path):
+    """Checkpoint `ck`'s trained weights into `host`, whose frozen tower must be the one they were trained with."""
+    if host.tower.fingerprint() != ck["tower_fingerprint"]:
+        raise ConfigError(f"{path}: the frozen tower built here differs from the one it was trained with "
+                          f"({host.cfg.vision}; check --pretrained / --weights-file and the timm version)")
+    missing, unexpected = host.load_state_dict(ck["model"], strict=False)
+    missing = [k for k in missing if k in {n for n, p in host.named_parameters() if p.requires_grad}]
+    if missing or unexpected:
+        raise ConfigError(f"{path}: weights do not match the host: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def load_checkpoint(path, device="cpu", expect=None):
+    """-> (host in eval mode, ckpt), the host rebuilt from the saved config; `expect`: config fields that must match."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {path} is not a file: pass a ckpt.pt (train one with `python train.py`)")
+    ck = read_checkpoint(path)
+    check_config(ck, path, expect or {})
+    cfg = HostConfig(**ck["config"])
+    host = make_host(cfg.host, cfg).to(device)
+    load_weights(host, ck, path)
+    return host.eval(), ck

@@ -3,21 +3,17 @@ Post-train DRAM on a frozen host policy with truncated BPTT and flow matching (p
 
   python train.py                                          # DiT host + DRAM on the embedded memory suite (CPU, minutes)
   python train.py --memory none                            # the matched memoryless baseline
-  python train.py --host dit --suite libero_10 --data DIR  # LIBERO (official HDF5 demos, see README)
+  python train.py --host dit --suite libero_10 --data DIR  # LIBERO (official HDF5 demos)
   python train.py --host vla --write-source native_kv      # pi0.5-style host, separate-source memory
   torchrun --nproc_per_node 2 train.py ...                 # DDP: each rank its own streams
 
-What trains: the memory, the adapters and the action head; the vision tower / backbone stay frozen, so every frame
-is encoded once into the feature cache (data.py) and training reads tokens, not images.
-Recurrent unrolling: B streams walk whole episodes in windows of T frames; the memory state is carried from one
-window to the next of the same stream, detached at the window boundary, and zeroed when a stream starts a new
-episode. Gradients run through the whole window: reads, gates, joint solve.
+The memory, adapters and action head train; the tower / backbone stay frozen, so each frame is encoded once into the
+feature cache (data.py). B streams walk whole episodes in windows of T frames; a stream's memory state is carried to
+its next window (detached there) and zeroed when it starts an episode. Gradients run through the whole window.
 """
 import argparse
 import dataclasses
 import datetime
-import hashlib
-import io
 import json
 import math
 import os
@@ -30,63 +26,65 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
-from hosts import HostConfig, capture_cuda_graph, make_host
+from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
+from hosts import nonfinite, read_checkpoint, save_checkpoint, trainable_state
 
-# defaults tuned for the embedded memory suite on 2 CPU cores (python train.py, under 10 minutes): one memory layer
-# instead of the host's default two buys more steps in that budget, which mattered more when measured (commit
-# 03cd5ed); 1700 steps fit since the memory skips padded frames (b22d088); batch 8 with twice the steps and a peak
-# lr of 2e-3 did worse (README). --mem-depth 2 at the same 1700 steps (~1.5x the time) learned cue_location
-# reliably but was not better on average over eight seeds (README; measured before the DiT head's adaLN saw the
-# instruction, with which one layer learned it with six seeds of seven).
+# the embedded memory suite on 2 CPU cores in under 10 minutes (one memory layer there: more steps in that budget)
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default; one that depends on the suite (None here) or is empty, the help text states."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, "") else super()._get_help_string(action)
+
+
 def parser():
-    p = argparse.ArgumentParser(description="Truncated-BPTT training of DRAM on a frozen host policy")
-    p.add_argument("--host", default="dit", choices=["dit", "vla"])
-    p.add_argument("--memory", default="dram", choices=["dram", "none"])
-    p.add_argument("--write-source", default="hidden", choices=["native_kv", "hidden", "last_hidden"])
-    p.add_argument("--suite", default="memory", choices=list(data.SUITES))
+    p = argparse.ArgumentParser(description="Truncated-BPTT training of DRAM on a frozen host policy",
+                                formatter_class=Help)
+    p.add_argument("--host", default="dit", choices=["dit", "vla"], help="integration pattern: shared (dit) or "
+                   "separate (vla) source")
+    p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
+    p.add_argument("--write-source", default="hidden", choices=["native_kv", "hidden", "last_hidden"],
+                   help="vla host: what the memory layers write")
+    p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5")
-    p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR)
+    p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
     p.add_argument("--vision", default=None, help="timm model of the frozen tower (default: vit_tiny_patch16_224, "
                    "vit_small_patch16_224.dino for LIBERO)")
-    p.add_argument("--image-size", type=int, default=None, help="tower input size (default 64 memory / 128 LIBERO)")
+    p.add_argument("--image-size", type=int, default=None, help="tower input size (default: 64 memory / 128 LIBERO)")
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
-    p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained)")
-    p.add_argument("--window", type=int, default=None, help="TBPTT window T (frames)")
-    p.add_argument("--chunk", type=int, default=None, help=f"action chunk length C (default {DEFAULTS['chunk']} "
+    p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained; "
+                   "default: none)")
+    p.add_argument("--window", type=int, default=DEFAULTS["window"], help="TBPTT window T (frames)")
+    p.add_argument("--chunk", type=int, default=None, help=f"action chunk length C (default: {DEFAULTS['chunk']} "
                    f"embedded suite, {LIBERO_CHUNK} LIBERO)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None, help="parallel streams B (per rank)")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=100)
-    # 2 since the seed study in README: over 7 seeds (3 CPU, 4 GPU) the DRAM layers at twice the peak lr averaged
-    # 85.5 % on the embedded suite against 78.2 % at 1x, mostly through cue_location
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps")
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="parallel streams B (per rank)")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
+    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--mem-lr-mult", type=float, default=2.0, help="peak lr of the memory layers = this x --lr")
-    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
     p.add_argument("--episodes", type=int, default=None, help="embedded suite: demos per task, generated once "
                    f"(default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
     p.add_argument("--mem-depth", type=int, default=None, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
-    p.add_argument("--mem-heads", type=int, default=4)
+    p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
     p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
     p.add_argument("--head-blocks", type=int, default=4, help="DiT blocks (alternating cross / self attention)")
     p.add_argument("--vla-layers", type=int, default=4, help="backbone layers used by the vla host")
     p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
     p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
-    p.add_argument("--out", default=None, help="run directory (default runs/<host>-<memory>-<suite>)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<host>-<memory>-<suite>)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt")
-    p.add_argument("--save-every", type=int, default=250)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--cuda-graphs", action="store_true", help="GPU, one process: run each training step as one "
-                   "CUDA graph replay (GraphedTrainStep); padded frames are then computed and masked. Checked on "
-                   "the CPU with a stand-in capture, not yet on a GPU (README)")
+    p.add_argument("--save-every", type=int, default=250, help="checkpoint every this many steps")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--device", default="auto", help="auto: one GPU per process if there are enough, else cpu")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
                    "the end (0 = skip)")
@@ -97,18 +95,16 @@ def get_args(argv=None):
     p = parser()
     a = p.parse_args(argv)
     for k in ("steps", "batch", "window", "chunk", "episodes", "save_every", "mem_depth", "mem_heads", "mem_dim",
-              "d_model", "head_blocks", "vla_layers", "flow_steps"):
-        if getattr(a, k) is not None and getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+              "d_model", "head_blocks", "vla_layers", "flow_steps", "warmup", "eval_episodes"):
+        lo = 0 if k in ("warmup", "eval_episodes") else 1
+        if getattr(a, k) is not None and getattr(a, k) < lo:
+            p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
-        if v is not None and not (math.isfinite(v) and (v > lo if strict else v >= lo)):
+        if not (math.isfinite(v) and (v > lo if strict else v >= lo)):
             p.error(f"--{k.replace('_', '-')} must be a finite number {'>' if strict else '>='} {lo:g}, got {v}")
-    if not a.clip > 0:  # inf: no clipping
+    if not a.clip > 0:
         p.error(f"--clip must be > 0 (inf: no clipping), got {a.clip}")
-    for k in ("warmup", "eval_episodes"):
-        if getattr(a, k) < 0:
-            p.error(f"--{k.replace('_', '-')} must be >= 0, got {getattr(a, k)}")
     if not 0 <= a.seed < 2 ** 32:
         p.error(f"--seed must be in [0, 2**32), got {a.seed}")
     if a.device != "auto":
@@ -120,20 +116,16 @@ def get_args(argv=None):
         p.error(f"--weights-file {a.weights_file}: no such file")
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
-    except ValueError as e:
+    except ConfigError as e:
         p.error(str(e))
     lib = a.suite != data.MEMORY_SUITE
-    if lib and a.chunk is None:
-        a.chunk = LIBERO_CHUNK
-    for k, v in DEFAULTS.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    a.chunk = a.chunk or (LIBERO_CHUNK if lib else DEFAULTS["chunk"])
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
     a.pretrained = lib if a.pretrained is None else a.pretrained
     a.mem_depth = a.mem_depth or (2 if lib else 1)
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
-    if Path(a.out).exists() and not Path(a.out).is_dir():  # otherwise found only at the first checkpoint save
+    if Path(a.out).exists() and not Path(a.out).is_dir():
         p.error(f"--out {a.out} is a file, not a folder")
     return a
 
@@ -147,19 +139,18 @@ def given_flags(argv=None):
 
 # --resume: what this run's command line may set differently from the saved run's (everything else is the saved
 # run's value unless given again, and must then be equal)
-RESUME_THIS_RUN = ("resume", "out", "data", "cache_dir", "no_cache", "device", "cuda_graphs", "stop_at",
-                   "save_every", "eval_episodes", "weights_file")  # where and how this process runs
+RESUME_THIS_RUN = ("resume", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
+                   "eval_episodes", "weights_file")  # where and how this process runs
 RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # e.g. train on to more steps
 
 
 def resume_args(a, saved, given, path):
-    """The arguments of a resumed run: the saved run's (checkpoint["args"]), except those of RESUME_THIS_RUN and
-    what the command line gives again. A given model, data or sampler setting that differs is an error: it would
-    not continue the saved run (a different architecture does not load; another batch, window, seed or data
-    changes the stream of windows)."""
+    """The arguments of a resumed run: the saved run's, except those of RESUME_THIS_RUN and what the command line
+    gives again. A given model, data or sampler setting that differs is an error: it would not continue the saved
+    run (another architecture does not load; another batch, window, seed or data changes the stream of windows)."""
     a = argparse.Namespace(**vars(a))
     for k, v in saved.items():
-        if k in RESUME_THIS_RUN or not hasattr(a, k):
+        if k in RESUME_THIS_RUN:
             continue
         if k not in given:
             setattr(a, k, v)
@@ -167,83 +158,10 @@ def resume_args(a, saved, given, path):
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"--resume: --{k.replace('_', '-')} {getattr(a, k)} (the saved run had {v})")
         elif getattr(a, k) != v:
-            raise ValueError(f"--resume: {path} was trained with --{k.replace('_', '-')} {v!r}, this run asks for "
-                             f"{getattr(a, k)!r}; leave the flag out to continue the saved run, or train a new run "
-                             f"with another --out")
+            raise ConfigError(f"--resume: {path} was trained with --{k.replace('_', '-')} {v!r}, this run asks for "
+                              f"{getattr(a, k)!r}; leave the flag out to continue the saved run, or train a new run "
+                              f"with another --out")
     return a
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: trainable weights + everything needed to rebuild the policy and to resume exactly
-# ----------------------------------------------------------------------------------------------------------
-
-
-def trainable_state(host):
-    """The trained weights (the frozen tower is rebuilt from its config), on the CPU: a checkpoint written on a GPU
-    then loads anywhere, also with a plain torch.load."""
-    keep = {n for n, p in host.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu() for k, v in host.state_dict().items() if k in keep}
-
-
-def save_checkpoint(path, obj):
-    """Atomic: write a temporary file, then rename, so an interruption never leaves a corrupt checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def nonfinite(named_tensors):
-    """Names of the floating-point tensors holding NaN/inf (one host sync for all of them)."""
-    named = [(n, v) for n, v in named_tensors if torch.is_floating_point(v)]
-    ok = torch.stack([torch.isfinite(v).all() for _, v in named]).tolist() if named else []
-    return [n for (n, _), good in zip(named, ok) if not good]
-
-
-def read_checkpoint(path):
-    """-> (ckpt dict on the CPU, sha1 of the file's bytes). The bytes are read once, so the sha1 names exactly what
-    was loaded; load_state_dict moves the weights to the host's device. A file that is not a train.py checkpoint
-    (truncated, another format, another program's dict, NaN/inf weights) raises data.DataError naming it, instead
-    of an unpickling error from deep inside torch.load."""
-    raw = Path(path).read_bytes()
-    sha1 = hashlib.sha1(raw).hexdigest()[:16]
-    try:
-        ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-    for k in ("config", "model", "stats"):
-        if not isinstance(ck, dict) or k not in ck:
-            raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
-    bad = nonfinite(ck["model"].items())
-    if bad:
-        raise data.DataError(f"{path}: the weights {bad[:3]} hold NaN/inf; this checkpoint cannot act or resume")
-    return ck, sha1
-
-
-def load_checkpoint(path, device="cpu", expect=None):
-    """-> (host, ckpt). Rebuilds the host from the saved config; `expect` = dict of config fields that must match.
-    ckpt["file_sha1"] identifies the file's bytes."""
-    if Path(path).is_dir():
-        raise FileNotFoundError(f"checkpoint {path} is a folder; pass the ckpt.pt in it")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist (train one with `python train.py`)")
-    ck, sha1 = read_checkpoint(path)
-    cfg = HostConfig(**ck["config"])
-    for k, v in (expect or {}).items():
-        if getattr(cfg, k) != v:
-            raise ValueError(f"checkpoint {path} was trained with {k}={getattr(cfg, k)!r}, but {k}={v!r} was requested")
-    host = make_host(cfg.host, cfg).to(device)
-    if host.tower.fingerprint() != ck.get("tower_fingerprint"):
-        raise ValueError(f"{path}: the frozen tower built here differs from the one it was trained with "
-                         f"({cfg.vision}; check --pretrained / --weights-file and the timm version)")
-    missing, unexpected = host.load_state_dict(ck["model"], strict=False)
-    missing = [k for k in missing if k in {n for n, p in host.named_parameters() if p.requires_grad}]
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the host: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    host.eval()
-    ck["file_sha1"] = sha1
-    return host, ck
 
 
 def lr_at(step, a):
@@ -254,25 +172,21 @@ def lr_at(step, a):
     return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# One training step, eager or captured as a CUDA graph
-# ----------------------------------------------------------------------------------------------------------
+# ---- One training step -------------------------------------------------------------------------------------------
 
-
-def train_step(host, opt, params, batch, state, clip, fixed_shapes=False, world=1):
+def train_step(host, opt, params, batch, state, clip, world=1):
     """One TBPTT step on a window: zero the memory rows of streams that start an episode, flow-matching loss over
     the window (eq. fm, mean over valid frames), backward through the whole window, clip, AdamW.
     state [B, ...] is the state carried from the stream's previous window (detached at the window boundary).
     Returns (loss [], valid frames [] (this rank's), new state detached)."""
     state = host.reset_state(state.detach(), batch["reset"])
-    # bf16 autocast on CUDA only (the joint solve stays fp32 by itself); no weight-cast cache: it would hold
-    # tensors across a CUDA graph's capture boundary (torch.cuda.graph's documented restriction)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda, cache_enabled=False):
+    # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda):
         loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
-                                       batch["action_mask"], batch["frame_valid"], fixed_shapes)
+                                       batch["action_mask"], batch["frame_valid"])
     n_all = n.float()  # a new tensor: n itself stays this rank's count
-    if world > 1:
-        dist.all_reduce(n_all)  # valid-frame losses are averaged over all ranks' frames
+    if world > 1:  # valid-frame losses are averaged over all ranks' frames
+        dist.all_reduce(n_all)
     loss = loss_sum / n_all.clamp(min=1)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -286,118 +200,46 @@ def train_step(host, opt, params, batch, state, clip, fixed_shapes=False, world=
     return loss.detach(), n, state.detach()
 
 
-def rng_state(dev):
-    """The generators a training step draws from on `dev`: the CPU's, and on a GPU that device's own (cuda:1 has
-    its own generator; torch.cuda.get_rng_state() without a device reads the current device's, cuda:0's)."""
-    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-
-
-def set_rng_state(st, dev):
-    """Undo of rng_state(dev); a checkpoint written on the CPU carries no CUDA state (cuda=None)."""
-    torch.set_rng_state(st["torch"])
-    if dev.type == "cuda" and st.get("cuda") is not None:
-        torch.cuda.set_rng_state(st["cuda"], dev)
-
-
-class GraphedTrainStep:
-    """train_step as one CUDA graph (--cuda-graphs): on a GPU a training step of this repo's hosts is thousands of
-    small kernels, and eagerly the GPU waits on Python to launch them (bench.py part 4); a replay launches them
-    all at once. Needs fixed shapes (padded frames computed and masked: Host.loss fixed_shapes), an optimizer
-    whose step and lr live on the device (AdamW capturable=True, tensor lr: set_lr), and one process.
-
-    Inputs are copied into static buffers before each replay; the memory state lives in `self.state`, carried
-    from replay to replay in place. The warm-up runs that capture needs would train on the first batch, so the
-    weights, the optimizer state and the RNG are restored afterwards: the graphed run starts where the eager one
-    would."""
-
-    def __init__(self, host, opt, params, batch, state, clip, capture=None):
-        self.batch = {k: v.clone() for k, v in batch.items()}  # static inputs, [B, T, ...] as FrameData.batch
-        self.state = state.detach().clone()  # [B, ...] carried memory state, overwritten by every replay
-        weights = [p.detach().clone() for p in params]
-        opt_state = {p: {k: v.clone() for k, v in st.items() if torch.is_tensor(v)} for p, st in opt.state.items()}
-        dev = self.state.device
-        rng = rng_state(dev)
-
-        def step():
-            loss, n, new_state = train_step(host, opt, params, self.batch, self.state, clip, fixed_shapes=True)
-            self.state.copy_(new_state)
-            return loss, n
-
-        self.graph, (self.loss, self.n) = (capture or capture_cuda_graph)(
-            step, after_warmup=lambda: set_rng_state(rng, dev), device=dev)
-        with torch.no_grad():  # undo the warm-up steps (the capture itself runs nothing)
-            for p, w in zip(params, weights):
-                p.copy_(w)
-            for p, st in opt.state.items():
-                for k, v in st.items():
-                    if not torch.is_tensor(v):
-                        continue
-                    if p in opt_state:
-                        v.copy_(opt_state[p][k])
-                    else:  # state the warm-up created: zero is AdamW's initial state
-                        v.zero_()
-            self.state.copy_(state)
-
-    def __call__(self, batch):
-        """One training step on `batch` (same shapes as the first). Returns (loss [], n [], state), device tensors
-        owned by the graph: read them before the next call."""
-        for k, v in self.batch.items():
-            v.copy_(batch[k])
-        self.graph.replay()
-        return self.loss, self.n, self.state
-
-
-def make_optimizer(host, lr, weight_decay, mem_lr_mult, capturable=False):
-    """AdamW (betas 0.9, 0.95) over the host's trainable parameters in four groups: weight decay on the weight
-    matrices only (2 or more dimensions; not biases or norm scales), and the memory's own parameters (DRAM layers:
-    projections, gates, fuse) at mem_lr_mult x the scheduled lr, everything else (adapters, embeddings, action
-    head) at 1 x. Each group's `lr_mult` is what set_lr multiplies; empty groups are left out (--memory none).
-    bench.py's training step uses the same optimizer."""
+def make_optimizer(host, lr, weight_decay, mem_lr_mult):
+    """AdamW (betas 0.9, 0.95) over the host's trainable parameters in up to four groups: weight decay on the weight
+    matrices only (not biases or norm scales); the memory's own parameters at mem_lr_mult x the scheduled lr, the
+    rest at 1 x. Each group's `lr_mult` is what set_lr multiplies; empty groups are left out (--memory none)."""
     params = host.trainable_parameters()
     mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
     groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
                    weight_decay=weight_decay if is_matrix else 0.0, lr_mult=mem_lr_mult if is_mem else 1.0)
               for is_mem in (False, True) for is_matrix in (True, False)]
-    opt = torch.optim.AdamW([dict(g, lr=lr * g["lr_mult"]) for g in groups if g["params"]], lr=lr,
-                            betas=(0.9, 0.95))
-    set_capturable(opt, capturable, next(iter(params)).device)
-    return opt
-
-
-def set_capturable(opt, capturable, device):
-    """A graphed step (--cuda-graphs) reads lr and AdamW's step count from device tensors (capturable=True;
-    set_lr fills the lr in place); an eager step takes Python floats. Also converts a resumed optimizer made the
-    other way."""
-    for g in opt.param_groups:
-        g["capturable"] = capturable
-        g["lr"] = torch.tensor(float(g["lr"]), device=device) if capturable else float(g["lr"])
-    for st in opt.state.values():
-        st["step"] = st["step"].to(device if capturable else "cpu", torch.float32)
+    return torch.optim.AdamW([dict(g, lr=lr * g["lr_mult"]) for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
 def set_lr(opt, lr):
-    """Scheduled lr x each group's multiplier. A graphed step reads lr from a device tensor (filled in place)."""
     for g in opt.param_groups:
-        if torch.is_tensor(g["lr"]):
-            g["lr"].fill_(lr * g["lr_mult"])
-        else:
-            g["lr"] = lr * g["lr_mult"]
+        g["lr"] = lr * g["lr_mult"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Data -> host
-# ----------------------------------------------------------------------------------------------------------
+def rng_state(dev):
+    """The generators a training step draws from: the CPU's, and on a GPU `dev`'s own (without a device,
+    torch.cuda.get_rng_state() reads the current device's)."""
+    return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
 
+
+def set_rng_state(st, dev):
+    torch.set_rng_state(st["torch"])
+    if dev.type == "cuda" and st["cuda"] is not None:  # a checkpoint written on the CPU carries no CUDA state
+        torch.cuda.set_rng_state(st["cuda"], dev)
+
+
+# ---- Data -> host ------------------------------------------------------------------------------------------------
 
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files (no pixels read;
-    every demo's actions and states are validated).
-    The frame size is stored in the checkpoint: eval.py renders the simulator at the size the policy was trained on."""
+    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files, every demo's
+    actions and states validated, no pixels read. The frame size goes into the checkpoint: eval.py renders the
+    simulator at the size the policy was trained on."""
     vocab, Da, sizes = set(), None, {}
     for f in files:
         instr, demos = data.iter_demo_file(f, images=False)
         vocab.add(instr)
-        for d in demos:  # every demo's actions and states are read and checked here, before any image is encoded
+        for d in demos:
             if Da is None:
                 Da, first = d.actions.shape[1], f"{f}: data/{d.name}"
             elif d.actions.shape[1] != Da:
@@ -433,28 +275,25 @@ def build_episodes(host, files, a, rank=0):
     return eps
 
 
-# how long the other ranks may wait for rank 0 alone to generate the embedded suite or fill the feature cache
-# (encoding every frame of libero_90 with the tower); NCCL's own collectives abort after 10 minutes
-RANK0_WAIT = datetime.timedelta(hours=6)
+RANK0_WAIT = datetime.timedelta(hours=6)  # how long the others wait for rank 0 alone to fill the feature cache
 
 
 def setup_distributed(a):
     """torchrun's environment -> (rank, world, wait). One GPU per process on each machine (LOCAL_RANK of
     LOCAL_WORLD_SIZE), NCCL between GPUs, gloo between CPU processes. wait() holds every rank until all got there,
-    through a gloo group with the timeout RANK0_WAIT: a barrier on the NCCL group would be aborted by NCCL's
-    watchdog (10 minutes) while rank 0 builds the cache for everyone."""
+    on a gloo group with the timeout RANK0_WAIT (NCCL's watchdog would abort a barrier after 10 minutes)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
-    if a.device == "auto":  # one GPU per process, else all of them on the CPU
+    if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
     cuda = torch.device(a.device).type == "cuda"
     if cuda and local_world > torch.cuda.device_count():
-        raise SystemExit(f"--device {a.device}: {local_world} process(es) on this machine need one GPU each, this "
-                         f"machine has {torch.cuda.device_count()} (use --device cpu, or fewer processes)")
+        raise ConfigError(f"--device {a.device}: {local_world} process(es) on this machine need one GPU each, this "
+                          f"machine has {torch.cuda.device_count()} (use --device cpu, or fewer processes)")
     if cuda and world > 1 and torch.device(a.device).index is not None:
-        raise SystemExit(f"--device {a.device}: with {world} processes each takes the GPU of its LOCAL_RANK; pass "
-                         f"--device cuda")
+        raise ConfigError(f"--device {a.device}: with {world} processes each takes the GPU of its LOCAL_RANK; pass "
+                          f"--device cuda")
     if world == 1:
         return rank, world, lambda: None
     if not cuda:  # ranks share the cores: oversubscribed OpenMP threads spin and crawl
@@ -469,48 +308,49 @@ def setup_distributed(a):
 
 
 def main(argv=None):
+    """Train; a mistake in the command or its files (data.DataError, hosts.ConfigError) ends it with one line
+    naming the fix and exit status 2, as argparse does."""
+    try:
+        return run(argv)
+    except (data.DataError, ConfigError) as e:
+        parser().exit(2, f"train.py: error: {e}\n")
+
+
+def run(argv=None):
     a = get_args(argv)
     out = Path(a.out)
     ckpt_path = out / "ckpt.pt"
     ck = None
     if a.resume:
         if not ckpt_path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        ck, _ = read_checkpoint(ckpt_path)
-        a = resume_args(a, ck.get("args", {}), given_flags(argv), ckpt_path)
+            raise ConfigError(f"--resume: no checkpoint at {ckpt_path}; check --out, or train without --resume")
+        ck = read_checkpoint(ckpt_path)
+        a = resume_args(a, ck["args"], given_flags(argv), ckpt_path)
     rank, world, wait = setup_distributed(a)
-    if a.cuda_graphs and (torch.device(a.device).type != "cuda" or world > 1):
-        raise SystemExit(f"--cuda-graphs needs --device cuda and one process (got --device {a.device}, "
-                         f"{world} processes)")
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
-    if ck is not None and ck.get("world", 1) != world:
-        raise ValueError(f"--resume: {ckpt_path} was trained by {ck.get('world', 1)} process(es), this run has "
-                         f"{world}: each process resumes its own streams")
+    if ck is not None and ck["world"] != world:
+        raise ConfigError(f"--resume: {ckpt_path} was trained by {ck['world']} process(es), this run has {world}: "
+                          f"each process resumes its own streams")
 
     files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         wait()
         files = data.find_demo_files(a.data, a.suite, generate=False)
     vocab, Da, frame_hw = scan(files)
-    cfg = HostConfig(memory=a.memory, vision=a.vision, pretrained=a.pretrained, weights_file=a.weights_file,
-                     image_size=a.image_size, action_dim=Da, chunk=a.chunk, vocab=tuple(vocab),
-                     write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer, mem_heads=a.mem_heads,
-                     mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model, head_blocks=a.head_blocks,
-                     vla_layers=a.vla_layers, flow_steps=a.flow_steps)
+    cfg = HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
+                     weights_file=a.weights_file, image_size=a.image_size, action_dim=Da, chunk=a.chunk,
+                     vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
+                     mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
+                     head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
-        now = dataclasses.asdict(cfg) | dict(host=a.host)
-        for k, have in ck["config"].items():
-            have = tuple(have) if isinstance(have, list) else have
-            if k != "weights_file" and have != now.get(k, have):
-                raise ValueError(f"--resume: {ckpt_path} has {k}={have!r} but this run has {now[k]!r}")
+        check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
-    if world > 1:  # then each rank its own draws of tau and noise (the same ones would average less noise away)
+    if world > 1:  # then each rank its own draws of tau and noise
         torch.manual_seed(a.seed + rank)
-    if ck is not None and ck.get("tower_fingerprint") != host.tower.fingerprint():
-        raise ValueError(f"--resume: {ckpt_path} was trained with other frozen tower weights ({cfg.vision}; check "
-                         f"--pretrained / --weights-file)")
+    if ck is not None:
+        load_weights(host, ck, ckpt_path)
 
     if rank == 0 and world > 1:
         build_episodes(host, files, a, rank)  # fill the cache once
@@ -525,12 +365,8 @@ def main(argv=None):
     params = host.trainable_parameters()
     opt = make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
     mem_state = host.init_state(a.batch, dev)
-    step = 0
+    step, losses = 0, []  # losses: the whole run's, for log.json
     if ck is not None:
-        host.load_state_dict(ck["model"], strict=False)
-        if len(ck["optimizer"]["param_groups"]) != len(opt.param_groups):
-            raise ValueError(f"--resume: {ckpt_path} was written by an older train.py (other optimizer parameter "
-                             f"groups); start a new run with another --out")
         this_run = [(g["lr_mult"], g["weight_decay"]) for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
         for g, (m, wd) in zip(opt.param_groups, this_run):  # this run's --mem-lr-mult, --weight-decay
@@ -538,10 +374,9 @@ def main(argv=None):
         sampler.load_state_dict(ck["sampler"][rank])
         mem_state = ck["mem_state"][rank].to(dev)
         set_rng_state(ck["rng"][rank], dev)
-        step = ck["step"]
+        step, losses = ck["step"], list(ck["losses"])
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
-    set_capturable(opt, a.cuda_graphs, dev)  # also when resuming a run made the other way
 
     def checkpoint():
         """Every rank contributes its sampler position, memory state and RNG; rank 0 writes. Weights that are no
@@ -550,13 +385,11 @@ def main(argv=None):
         if bad:
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
-        mine_state = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(),
-                          rng=rng_state(dev))
-        gathered = [None] * world
+        mine = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(), rng=rng_state(dev))
+        gathered = [mine]
         if world > 1:
-            dist.all_gather_object(gathered, mine_state)
-        else:
-            gathered = [mine_state]
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
         if rank == 0:
             save_checkpoint(ckpt_path, dict(
                 model=trainable_state(host), config=dataclasses.asdict(cfg), stats=fd.stats, vocab=vocab,
@@ -566,24 +399,17 @@ def main(argv=None):
                 losses=losses, frame_size=list(frame_hw)))
 
     host.train()
-    graphed = None  # GraphedTrainStep, captured on the first window (--cuda-graphs)
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames = time.time(), 0
-    losses = [] if ck is None else list(ck.get("losses", []))  # the whole run's, for log.json
     stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
     while step < stop:
         batch = fd.batch(sampler.next_window(), device=dev)
         set_lr(opt, lr_at(step, a))
         # TBPTT: each stream's state is carried over from its previous window (zeroed where an episode starts)
-        if a.cuda_graphs:
-            if graphed is None:
-                graphed = GraphedTrainStep(host, opt, params, batch, mem_state, a.clip)
-            loss, n, mem_state = graphed(batch)
-        else:
-            loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
+        loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
         frames += int(n)
-        lv = loss.item() * world if world > 1 else loss.item()  # this rank's share, rescaled for display
+        lv = loss.item() * world  # this rank's share, rescaled for display
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss is {lv} at step {step}; lower --lr or check the data")
         losses.append(lv)
@@ -601,20 +427,17 @@ def main(argv=None):
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         ref = flat.clone()
         dist.broadcast(ref, 0)
-        diff = torch.tensor(float((flat - ref).abs().max()), device=dev)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        if diff.item() != 0.0:
-            raise RuntimeError(f"DDP ranks diverged: max weight difference {diff.item()}")
+        if not torch.equal(flat, ref):
+            raise RuntimeError(f"DDP rank {rank}'s weights differ from rank 0's")
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0 and step >= a.steps and a.suite == data.MEMORY_SUITE and a.eval_episodes > 0:
-        import eval as evaluation  # the quick embedded-suite pass, so the first command shows whether memory works
+        import eval as evaluation  # a quick pass on the embedded suite: the first command shows whether memory works
 
-        # own log folder: eval.py's default folder (next to the checkpoint) stays free for the full evaluation;
-        # the quick pass always evaluates this run's checkpoint afresh (a log of an earlier run here is dropped)
+        # its own log folder, evaluated afresh: eval.py's default folder stays free for the full evaluation
         (out / "eval_quick" / "episodes.jsonl").unlink(missing_ok=True)
-        evaluation.evaluate_memory_suite([str(ckpt_path)], episodes=a.eval_episodes, seed=a.seed + 1000,
-                                         device=a.device, out=str(out / "eval_quick"))
+        evaluation.evaluate_checkpoints([str(ckpt_path)], trials=a.eval_episodes, seed=a.seed + 1000, device=a.device,
+                                        out=str(out / "eval_quick"))
     return str(ckpt_path)
 
 
