@@ -72,7 +72,7 @@ def import_libero():
         from libero.libero import benchmark, get_libero_path
         from libero.libero.envs import OffScreenRenderEnv
     except Exception as e:  # ImportError, or robosuite's RuntimeError / OpenGL errors for a bad MUJOCO_GL
-        raise ImportError(f"the LIBERO simulator could not be imported ({type(e).__name__}: {e}) with "
+        raise hosts.ConfigError(f"the LIBERO simulator could not be imported ({type(e).__name__}: {e}) with "
                           f"MUJOCO_GL={os.environ.get('MUJOCO_GL')}: {SIM_FIX}") from e
     return benchmark, get_libero_path, OffScreenRenderEnv
 
@@ -566,7 +566,7 @@ def main(argv=None):
     args = get_args(argv)
     try:
         return evaluate_checkpoints(**vars(args))
-    except (FileNotFoundError, ImportError, data.DataError, hosts.ConfigError) as e:  # a user's mistake: one line
+    except (data.DataError, hosts.ConfigError) as e:  # a user's mistake: one line (bugs keep their traceback)
         print(f"eval.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2)
 

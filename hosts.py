@@ -612,7 +612,7 @@ def load_weights(host, ck, path):
 def load_checkpoint(path, device="cpu", expect=None):
     """-> (host in eval mode, ckpt), the host rebuilt from the saved config; `expect`: config fields that must match."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint {path} is not a file: pass a ckpt.pt (train one with `python train.py`)")
+        raise ConfigError(f"checkpoint {path} is not a file: pass a ckpt.pt (train one with `python train.py`)")
     ck = read_checkpoint(path)
     check_config(ck, path, expect or {})
     cfg = HostConfig(**ck["config"])

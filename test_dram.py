@@ -1726,7 +1726,7 @@ class TapEnv(ev.LiberoEnv):
 
 def test_libero_rollout(tmp_path, monkeypatch, capsys):
     """Real libero_10 episodes through eval.py: openpi protocol, checkpoint's frame size, obs = raw simulator output."""
-    ev.import_libero()  # without the simulator: an ImportError that says how to install it
+    ev.import_libero()  # without the simulator: a ConfigError that says how to install it
     import robosuite.utils.transform_utils as T
     (task_id, name, instruction), = ev.suite_tasks("libero_10", [0])
     rng = np.random.default_rng(0)  # a checkpoint trained one step on 64-pixel LIBERO-schema demos
@@ -1764,7 +1764,7 @@ def test_libero_rollout(tmp_path, monkeypatch, capsys):
     for argv in (["--tasks", "10"], ["--trials", "51"]):  # libero_10 has tasks 0..9, 50 initial states per task
         assert argv[0] in usage_error(ev.main, ["--suite", "libero_10", "--out", str(out)] + argv, capsys)
     monkeypatch.setitem(sys.modules, "libero.libero.envs", None)  # as if it were missing
-    with pytest.raises(ImportError, match="pip install -r requirements-libero.txt"):
+    with pytest.raises(hosts.ConfigError, match="pip install -r requirements-libero.txt"):
         ev.import_libero()
 
 
