@@ -148,7 +148,7 @@ def joint_write_window(S, K, V, w, gamma, frame_valid=None):
             gamma = torch.where(frame_valid, gamma, torch.ones_like(gamma))
             w = torch.where(frame_valid[..., None], w, torch.zeros_like(w))
         P = math.prod(lead)
-        flat = lambda x, *shape: x.to(dt).expand(*lead, *shape).reshape(P, *shape)
+        flat = lambda x, *shape: x.to(dt).expand(*lead, *shape).reshape(P, *shape)  # [*lead, *shape] -> [P, *shape]
         states = _JointWrite.apply(flat(S, dk, dv), flat(K, T, N, dk), flat(V, T, N, dv), flat(w, T, N), flat(gamma, T))
     return states.reshape(*lead, T, dk, dv)
 
