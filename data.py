@@ -3,12 +3,14 @@ Data for DRAM post-training (paper Sec. 3.4): the LIBERO demo reader, normalisat
 cache, the streaming TBPTT sampler and the embedded memory suite (env, scripted expert, generator).
 
   python data.py --suite memory                      # write ./data/memory/<task>_demo.hdf5 (LIBERO layout)
+  python data.py --suite memory --out DIR            # the same into DIR (train.py --data DIR only reads it)
   python data.py --suite libero_10 --data-root DIR   # validate a LIBERO suite and print a summary
 
 Raw observations use LIBERO's demo `obs/` keys (as do the embedded env and eval.py's LIBERO wrapper): agentview_rgb,
 eye_in_hand_rgb uint8 [H,W,3] upside down (OpenGL), ee_states [6], gripper_states [2]; policy_frame() -> policy input.
 """
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -55,19 +57,23 @@ class Demo:
     actions: np.ndarray  # float32 [T, Da]
 
 
-def find_demo_files(data_root, suite, generate=True, **memory_kwargs):
+def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
     """Sorted `<data_root>/<suite>/*_demo.hdf5`. The memory suite's missing files are generated first
-    (generate_memory_suite(**memory_kwargs)); a missing LIBERO folder is an error that says how to download it."""
-    if suite == MEMORY_SUITE and generate:
-        generate_memory_suite(data_root, **memory_kwargs)
+    (generate_memory_suite(**memory_kwargs)) if generate, by default (None) only into DEFAULT_DATA_ROOT: a folder
+    the user names is only read, and a missing task file is an error naming the command that writes it. A missing
+    LIBERO folder is an error that says how to download it."""
+    if suite == MEMORY_SUITE:
+        if generate is None:
+            generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
+        generate_memory_suite(data_root, write=generate, **memory_kwargs)
     folder = Path(data_root) / suite
     files = sorted(folder.glob("*_demo.hdf5"))
     if not files:
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
-        hint = "Run `python data.py --suite memory`." if suite == MEMORY_SUITE else (
-            f"Get it with LIBERO's `python benchmark_scripts/download_libero_datasets.py --datasets {dl} "
-            "--use-huggingface` (github.com/Lifelong-Robot-Learning/LIBERO) and pass the download folder as the data "
-            "root (<data_root>/<suite>/<task name>_demo.hdf5). The embedded suite needs no download: --suite memory.")
+        hint = (f"Get it with LIBERO's `python benchmark_scripts/download_libero_datasets.py --datasets {dl} "
+                "--use-huggingface` (github.com/Lifelong-Robot-Learning/LIBERO) and pass the download folder as the "
+                "data root (<data_root>/<suite>/<task name>_demo.hdf5). The embedded suite needs no download: "
+                "--suite memory.")  # the memory suite's missing files are reported by generate_memory_suite
         what = "holds no *_demo.hdf5 files" if folder.is_dir() else "does not exist"
         raise DataError(f"data directory {folder} {what}. {hint}")
     return files
@@ -81,8 +87,22 @@ def open_demo_file(path):
         raise DataError(f"demo file {path} cannot be read as HDF5 ({e})") from e
 
 
+@contextlib.contextmanager
+def _h5_errors(where):
+    """Around every read of an open demo file: h5py's errors name no file (a corrupt compressed chunk: OSError
+    'filter returned failure during read'; damaged metadata: RuntimeError 'Unable to get group info', KeyError)."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError) as e:
+        raise DataError(f"{where} cannot be read ({type(e).__name__}: {e}): the file is damaged; download or "
+                        "generate it again") from e
+
+
 def _instruction(f, path):
-    info = f["data"].attrs.get("problem_info")
+    with _h5_errors(f"{path}: data.attrs['problem_info']"):
+        info = f["data"].attrs.get("problem_info")
     if info is None:  # LIVING_ROOM_SCENE2_put_the_bowl_demo.hdf5 -> 'put the bowl'
         instr = re.sub(r"^.*?SCENE\d+_|_demo$", "", Path(path).stem).replace("_", " ").strip()
         warnings.warn(f"{path}: data.attrs['problem_info'] missing; instruction taken from the file name: '{instr}'")
@@ -99,12 +119,13 @@ def _instruction(f, path):
 
 
 def _demo_names(f, path):
-    if not isinstance(f.get("data"), h5py.Group):
-        raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
-    names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
-    if not names:
-        raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
-    other = [k for k in f["data"].keys() if k not in names]
+    with _h5_errors(f"{path}: data"):
+        if not isinstance(f.get("data"), h5py.Group):
+            raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
+        names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
+        if not names:
+            raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
+        other = [k for k in f["data"].keys() if k not in names]
     if other:
         warnings.warn(f"{path}: data/{other[:10]} are not demo_<i> groups and are not read")
     return sorted(names, key=lambda k: int(k.split("_")[1]))  # numeric: demo_2 before demo_10
@@ -112,25 +133,32 @@ def _demo_names(f, path):
 
 def _dataset(f, path, name, key):
     """f['data/<name>/<key>'] checked against DEMO_KEYS without reading it; else a DataError naming it."""
-    where, ds = f"{path}: data/{name}/{key}", f["data"][name].get(key)
-    if not isinstance(ds, h5py.Dataset):
-        raise DataError(f"{where} is missing" + ("" if ds is None else " (a group, not an array)"))
-    dtype, dims = DEMO_KEYS[key][0], DEMO_KEYS[key][1].split()
-    if (ds.ndim != len(dims) or (dtype is not None and ds.dtype != dtype)
-            or any(n != int(d) if d.isdigit() else n == 0 for n, d in zip(ds.shape, dims))):
-        raise DataError(f"{where} must be {np.dtype(dtype).name if dtype else 'numbers'} [{', '.join(dims)}] (named "
-                        f"sizes >= 1), got {ds.dtype} {ds.shape}")
+    where = f"{path}: data/{name}/{key}"
+    with _h5_errors(where):
+        ds = f["data"][name].get(key)
+        if not isinstance(ds, h5py.Dataset):
+            raise DataError(f"{where} is missing" + ("" if ds is None else " (a group, not an array)"))
+        dtype, dims = DEMO_KEYS[key][0], DEMO_KEYS[key][1].split()
+        if (ds.ndim != len(dims) or (dtype is not None and ds.dtype != dtype)
+                or any(n != int(d) if d.isdigit() else n == 0 for n, d in zip(ds.shape, dims))):
+            raise DataError(f"{where} must be {np.dtype(dtype).name if dtype else 'numbers'} [{', '.join(dims)}] "
+                            f"(named sizes >= 1), got {ds.dtype} {ds.shape}")
     return ds
 
 
 def _read_demo(f, path, name, images=True):
-    """Validated Demo from an open file; every problem is a DataError naming file, demo and key."""
-    keys = ["actions"] + [f"obs/{k}" for k in STATE_KEYS + (CAMERAS if images else ())]
-    arrays = {k: _dataset(f, path, name, k)[()] for k in keys}
-    where, shapes = f"{path}: data/{name}", {k: a.shape for k, a in arrays.items()}
+    """Validated Demo from an open file; every problem is a DataError naming file, demo and key. Every key's dtype
+    and shape, the cameras' too, is checked from its header before any array is read, so that images=False (as in
+    train.scan, before any frame is encoded) checks all but the pixel values."""
+    where, ds = f"{path}: data/{name}", {k: _dataset(f, path, name, k) for k in DEMO_KEYS}
+    shapes = {k: d.shape for k, d in ds.items()}
     if len({s[0] for s in shapes.values()}) > 1 or len({s[:3] for s in shapes.values() if len(s) == 4}) > 1:
         raise DataError(f"{where}: its arrays must share T, its cameras H and W (the tower encodes all cameras of "
                         f"a frame as one batch); got shapes {shapes}")
+    arrays = {}
+    for k in ["actions"] + [f"obs/{x}" for x in STATE_KEYS + (CAMERAS if images else ())]:
+        with _h5_errors(f"{where}/{k}"):
+            arrays[k] = ds[k][()]
     for k, a in arrays.items():
         with np.errstate(over="ignore"):
             bad = ~np.isfinite(a.astype(np.float32))  # as training reads it: float64 beyond 3.4e38 becomes inf
@@ -203,6 +231,50 @@ def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
 
 # ---- Normalisation statistics (saved with the checkpoint; eval un-normalises actions with the same numbers) --------
 
+OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie from its dimension's median
+
+
+def check_values(demos):
+    """Refuse finite but absurd values before they set the statistics (one action of 1e30 made its dimension's std
+    7e27) with a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>",
+    state [T,8], actions [T,Da])], all of the suite, pooled as compute_stats pools them. Rules that no legitimate
+    demo breaks:
+    - every action lies in [-1, 1]: LIBERO's are OSC_POSE deltas and a gripper command in [-1, 1] (LIBERO's
+      create_dataset.py); the embedded env clips actions to [-1, 1] and its expert stays inside.
+    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over all frames.
+      The quantiles leave out the most extreme 1% of frames at each end (at least one frame), so a few corrupt
+      frames cannot widen their own yardstick; |m| and 1 keep it positive on constant dimensions (the embedded
+      suite's zero ee_states[2:]). States are metres, radians (axis-angle, |.| <= pi) and gripper widths, within a
+      few units of their median: only gross errors (garbage, another unit) lie 100 yardsticks away."""
+    Da = demos[0][2].shape[1]
+    for where, _, a in demos:
+        if a.shape[1] != Da:
+            raise DataError(f"{where}/actions has {a.shape[1]} dimensions, {demos[0][0]}/actions has {Da}")
+    s = np.concatenate([x for _, x, _ in demos]).astype(np.float64)  # [N, 8]
+    a = np.concatenate([x for _, _, x in demos])  # [N, Da]
+    m = np.median(s, 0)  # [8]
+    lo, hi = np.quantile(s, 0.01, 0, method="higher"), np.quantile(s, 0.99, 0, method="lower")  # [8]
+    far = np.abs(s - m) > OUTLIER_SPANS * np.maximum(hi - lo, np.maximum(np.abs(m), 1.0))  # [N, 8]
+    out = np.abs(a) > 1 + 1e-6  # [N, Da]; 1e-6: float rounding of a clipped action
+    ends = np.cumsum([len(x) for _, _, x in demos])  # [n_demos] one past each demo's last pooled frame
+
+    def first(bad):  # the first flagged value: its demo's "<file>: data/<demo>", frame in that demo, dimension
+        n, c = np.argwhere(bad)[0]
+        d = int(np.searchsorted(ends, n, "right"))
+        return demos[d][0], n - ends[d] + len(demos[d][2]), c, n
+
+    if out.any():
+        where, t, c, n = first(out)
+        raise DataError(f"{where}/actions[{t}, {c}] = {a[n, c]:g}: actions must lie in [-1, 1] (LIBERO's and the "
+                        f"embedded suite's do)")
+    if far.any():
+        where, t, c, n = first(far)
+        key, j = (STATE_KEYS[0], c) if c < 6 else (STATE_KEYS[1], c - 6)  # state = ee_states [6] + gripper [2]
+        raise DataError(f"{where}/obs/{key}[{t}, {j}] = {s[n, c]:g} lies over {OUTLIER_SPANS} x max(q99 - q1, "
+                        f"|median|, 1) from the median of the suite's frames ({m[c]:g}; q1 {lo[c]:g}, q99 "
+                        f"{hi[c]:g}): a corrupt value or another unit")
+
+
 def compute_stats(states, actions, min_std=1e-2):
     """Per-dimension mean / std pooled over all frames (states: list of [T,8], actions: list of [T,Da]), as float32
     numpy arrays. std is floored at min_std so constant dims (zero-filled state, binary gripper) stay finite."""
@@ -268,9 +340,34 @@ def _encode_file(path, encode_fn, batch_size, progress, alloc=lambda *shape: np.
     return instruction, metas, np.concatenate(states, 0), np.concatenate(actions, 0), tokens
 
 
+def remove_stale_tmp(paths):
+    """Delete the temporary files and folders <name>.tmp<pid> among `paths` whose writer no longer runs (a kill
+    mid-write leaves them); those of running processes are kept."""
+    for p in paths:
+        m = re.fullmatch(r".*\.tmp(\d+)", p.name)
+        if m and not pid_alive(int(m[1])):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def pid_alive(pid):
+    """Whether process `pid` runs on this machine (POSIX signal 0 checks without sending; elsewhere assumed)."""
+    if os.name != "posix":  # Windows' os.kill would end the process
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
 def _write_entry(path, ident, entry, encode_fn, batch_size, progress):
-    tmp = entry.with_name(entry.name + ".tmp")  # one writer: train.py's rank 0 fills the cache alone
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")  # this process's: concurrent runs never share one
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process that had this pid
     tmp.mkdir(parents=True)
     try:  # bad data or Ctrl-C: no half-written entry is left behind (GBs for LIBERO)
         alloc = lambda *shape: np.lib.format.open_memmap(tmp / "tokens.npy", "w+", np.float16, shape)
@@ -283,7 +380,12 @@ def _write_entry(path, ident, entry, encode_fn, batch_size, progress):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.replace(tmp, entry)
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # another run completed this entry first (a non-empty folder): keep it
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (entry / "meta.json").is_file():
+            raise
     for old in entry.parent.glob(f"{path.stem}-*"):  # entries of earlier versions of this source file
         try:
             if old != entry and json.loads((old / "meta.json").read_text())["source"]["path"] == ident["path"]:
@@ -314,6 +416,8 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
     <stem>-<hash(cache_key, path, size, mtime)>/: tokens.npy (float16), state.npy, actions.npy, meta.json. A changed
     source file gets a new entry and its stale one is deleted; use_cache=False encodes in memory only."""
     root = Path(cache_dir) / re.sub(r"[^A-Za-z0-9._=-]+", "_", cache_key)[:120]
+    if use_cache:  # entries whose writer was killed
+        remove_stale_tmp(root.glob("*.tmp*"))
     episodes = []
     for p in map(Path, files):
         if not use_cache:
@@ -616,30 +720,37 @@ def rollout_expert(env, seed, noise=EXPERT_NOISE, cue=None):
 
 
 def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size=None, seed=0, tasks=None,
-                          overwrite=False, progress=True):
+                          overwrite=False, progress=True, write=True):
     """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout) for each task. Existing files are kept unless
     overwrite; None accepts what an existing file holds (else n_episodes = MEMORY_EPISODES, img_size = 64). A file
     that differs from what is asked, or was written by another MEMORY_SUITE_VERSION, is a DataError naming the
-    file and the command that regenerates it. Every demo is an expert success."""
+    file and the command that regenerates it. write=False only checks: missing files are a DataError naming them
+    and the command that writes them. Every demo is an expert success."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     if img_size is not None and img_size < 16:  # the colour cue's frame is img_size / 16 pixels wide
         raise DataError(f"--img-size must be >= 16, got {img_size}")
     if not 0 <= seed < 2 ** 32:
         raise DataError(f"--seed must be in [0, 2**32), got {seed}")
+    sizes = "".join(f" --{k} {v}" for k, v in (("episodes", n_episodes), ("img-size", img_size)) if v is not None)
+    missing = []
     for task in tasks or list(MEMORY_TASKS):
         ti = list(MEMORY_TASKS).index(task)  # seeds do not depend on which subset is generated
         path = Path(data_root) / MEMORY_SUITE / f"{task}_demo.hdf5"
         if path.exists() and not overwrite:
             with open_demo_file(path) as f:
-                have = dict(f["data"].attrs) if "data" in f else {}
+                _demo_names(f, path)  # a file without a 'data' group or demos is named as such, not as outdated
+                with _h5_errors(f"{path}: data.attrs"):
+                    have = dict(f["data"].attrs)
             want = {"suite_version": MEMORY_SUITE_VERSION, "img_size": img_size, "num_demos": n_episodes}
             diff = [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
                     if w is not None and have.get(k) != w]
             if diff:
                 raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite memory --out "
-                                f"{data_root} --overwrite{'' if n_episodes is None else f' --episodes {n_episodes}'}"
-                                f"{'' if img_size is None else f' --img-size {img_size}'}` or use another data root")
+                                f"{data_root} --overwrite{sizes}` or use another data root")
+            continue
+        if not write:
+            missing.append(path.name)
             continue
         size = 64 if img_size is None else img_size
         env = MemoryEnv(task, img_size=size)
@@ -654,6 +765,10 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
         write_demo_file(path, env.instruction, eps, env_name=f"MemoryEnv/{task}",
                         attrs={"img_size": size, "seed": seed, "suite_version": MEMORY_SUITE_VERSION,
                                "memoryless_ceiling": MEMORYLESS_CEILING[task], "max_steps": env.max_steps})
+    if missing:  # train.py writes into its default --data only: a folder the user names may be a copy to keep
+        raise DataError(f"{Path(data_root) / MEMORY_SUITE} lacks {', '.join(missing)}; write them with `python "
+                        f"data.py --suite memory --out {data_root}{sizes}` (train.py generates the embedded suite "
+                        f"into its default --data {DEFAULT_DATA_ROOT} only)")
 
 
 def parser():
@@ -676,12 +791,16 @@ def main(argv=None):
     try:
         if args.suite == MEMORY_SUITE:
             generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
+        suite = []  # (where, state, actions) of every demo: check_values pools the suite
         for p in find_demo_files(args.root, args.suite, generate=False):  # validates every demo, pixels included
             instr, demos = iter_demo_file(p)
-            lens = [len(d.actions) for d in demos]
+            demos = [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos]
+            suite += demos
+            lens = [len(a) for _, _, a in demos]
             ceiling = MEMORYLESS_CEILING.get(p.name[:-len("_demo.hdf5")]) if args.suite == MEMORY_SUITE else None
             print(f"{p.name}: {len(lens)} demos, T {min(lens)}-{max(lens)}, '{instr}'"
                   + ("" if ceiling is None else f", memoryless ceiling {ceiling:.3f}"))
+        check_values(suite)
     except DataError as e:  # the user can fix it: one line, exit status 2 (as argparse)
         ap.exit(2, f"{ap.prog}: error: {e}\n")
 

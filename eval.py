@@ -8,9 +8,10 @@ the openpi protocol, and the memory reset-interval ablation (fig:reset).
   python eval.py --suite libero_10 --tasks 0 --trials 1 --max-steps 20        # simulator smoke test, zero policy
 
 Deployment (Sec. 3.4): the memory resets at every episode start; each observation is one policy.act call = one memory
-read-write transition. A policy provides reset(rows, new_episode) (bool [n] each) and act(observations, instructions)
--> actions [n, Da]; an environment reset(trial) -> obs, step(action) -> (obs, success, done, info), .instruction,
-.max_steps, close(). Observations carry the keys of LIBERO's demo HDF5 `obs/` group (images upside down).
+read-write transition. A policy provides reset(rows, new_episode, rngs) (bool [n] each; rngs {row: numpy Generator}
+of the episodes starting, their randomness) and act(observations, instructions) -> actions [n, Da]; an environment
+reset(trial) -> obs, step(action) -> (obs, success, done, info), .instruction, .max_steps, close(). Observations
+carry the keys of LIBERO's demo HDF5 `obs/` group (images upside down).
 """
 import argparse
 import collections
@@ -98,6 +99,7 @@ class LiberoEnv:
     """One LIBERO task in the simulator; reset(trial) starts from fixed initial state `trial`, after the wait steps."""
 
     def __init__(self, task_id, suite, seed=7, image_size=128, max_steps=None):
+        self.task_id, self.seed = task_id, seed
         benchmark, get_libero_path, OffScreenRenderEnv = import_libero()
         bench = benchmark.get_benchmark_dict()[suite]()
         task = bench.get_task(task_id)
@@ -107,12 +109,15 @@ class LiberoEnv:
         bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
         try:
             self.env = OffScreenRenderEnv(bddl_file_name=bddl, camera_heights=image_size, camera_widths=image_size)
-            self.env.seed(seed)  # openpi: the seed moves objects even with fixed initial states; once per env
         except Exception as e:
             raise RuntimeError(f"the LIBERO simulator failed to start ({type(e).__name__}: {e}) with "
                                f"MUJOCO_GL={os.environ.get('MUJOCO_GL')}: {SIM_FIX}") from e
 
     def reset(self, trial):
+        # openpi seeds each env once ("the seed moves objects even with fixed initial states"). env.seed seeds numpy's
+        # global generator, which reset() draws object placements from: seeded per episode, trial k cannot depend on
+        # the episodes run before it in this process
+        self.env.seed(int(np.random.SeedSequence([self.seed, self.task_id, trial]).generate_state(1)[0]))
         self.env.reset()
         sim_obs = self.env.set_init_state(self.init_states[trial])
         for _ in range(NUM_WAIT_STEPS):
@@ -233,10 +238,12 @@ def memory_reset_rows(frame, reset_every=0):
     return frame % reset_every == 0 if reset_every > 0 else frame == 0  # [n] bool
 
 
-def run_episodes(slots, policy, episodes, reset_every=0):
+def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
     """Run `episodes` [(task_id, trial)] on `slots` with one batched policy.act per step; yields each episode's record
     as it ends. Row i of the policy batch is slot i for the whole run: an idle slot keeps feeding its last
-    observation (its actions are discarded)."""
+    observation (its actions are discarded). Episode (task_id, trial) draws its policy noise from its own generator
+    [seed, task_id, trial, 1] (the embedded suite's layout draws from [seed, task_id, trial]): its draws never depend
+    on the episodes run before it, beside it or in another process."""
     queue = list(episodes)
     n = min(slots.n, len(queue))
     ep = [None] * n  # (task_id, trial) running in slot i, None when idle
@@ -253,7 +260,8 @@ def run_episodes(slots, policy, episodes, reset_every=0):
         active = np.array([e is not None for e in ep])  # [n]
         rows = memory_reset_rows(frame, reset_every) & active  # [n]
         if rows.any():
-            policy.reset(rows, (frame == 0) & active)
+            new = (frame == 0) & active  # [n]
+            policy.reset(rows, new, {i: np.random.default_rng([seed, *ep[i], 1]) for i in np.flatnonzero(new)})
         actions = np.asarray(policy.act(obs, list(instr)))  # [n, Da]
         bad = np.flatnonzero(~np.isfinite(actions[active]).all(1))
         if len(bad):  # the simulators would clip or propagate NaN without a word
@@ -277,7 +285,7 @@ class ZeroPolicy:
     """Stand-in policy for a simulator check: no motion, gripper open (the protocol's wait action)."""
     sha1, frame_size = None, (128, 128)  # rendered at the LIBERO demos' resolution
 
-    def reset(self, rows, new_episode):
+    def reset(self, rows, new_episode, rngs=None):
         pass
 
     def act(self, observations, instructions):
@@ -300,8 +308,9 @@ class CheckpointPolicy:
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
         self.state = self.chunk = self.age = self.graphed = None
 
-    def reset(self, rows, new_episode=None):
-        """rows: clear their memory; new_episode (default: rows): those also denoise a new chunk at once."""
+    def reset(self, rows, new_episode=None, rngs=None):
+        """rows: clear their memory; new_episode (default: rows): those also denoise a new chunk at once, with noise
+        from rngs[i] (numpy Generators; default: default_rng(i) for row i)."""
         rows = np.asarray(rows, bool)  # [n]
         new_episode = rows if new_episode is None else np.asarray(new_episode, bool)  # [n]
         n, cfg = len(rows), self.host.cfg
@@ -309,10 +318,13 @@ class CheckpointPolicy:
             self.state = self.host.init_state(n, self.device)
             self.chunk = np.zeros((n, cfg.chunk, cfg.action_dim), np.float32)  # [n, C, Da] current chunks
             self.age = np.full(n, cfg.chunk, np.int64)  # [n] actions consumed from the current chunk
+            self.rngs = [None] * n  # each row's noise generator: its episode's own
             self.graphed = None  # captured for another n: capture again at the next act()
         # in place: a captured transition reads and writes this buffer
         self.state.copy_(self.host.reset_state(self.state, torch.as_tensor(rows, device=self.device)))
         self.age[new_episode] = cfg.chunk
+        for i in np.flatnonzero(new_episode):
+            self.rngs[i] = (rngs or {}).get(i) or np.random.default_rng(i)
 
     @torch.no_grad()
     def act(self, observations, instructions):
@@ -329,8 +341,14 @@ class CheckpointPolicy:
             ctx, self.state = self.host.step(self.host.encode(images, ids), ids, self.state)  # one transition
         need = self.age >= self.replan  # [n]
         if need.any():  # the action expert runs only when a new chunk is needed
-            a = self.graphed.sample(s) if self.graphed is not None else self.host.sample(ctx, s, ids)  # [n, C, Da]
-            self.chunk[need], self.age[need] = a.cpu().numpy()[need], 0
+            # drawn on the CPU from the rows' own generators, only for the rows that need a chunk: the same draws on
+            # every device, whatever the other rows do
+            noise = np.zeros(self.chunk.shape, np.float32)  # [n, C, Da]
+            for i in np.flatnonzero(need):
+                noise[i] = self.rngs[i].standard_normal(noise.shape[1:], np.float32)
+            noise = torch.from_numpy(noise).to(self.device)
+            a = self.graphed.sample(s, noise) if self.graphed is not None else self.host.sample(ctx, s, ids, noise)
+            self.chunk[need], self.age[need] = a.cpu().numpy()[need], 0  # a: [n, C, Da]
         out = self.chunk[np.arange(len(frames)), self.age]  # [n, Da]
         self.age += 1
         return data.unnormalize(out, self.stats, "action")
@@ -358,7 +376,7 @@ def capture_cuda_graph(fn, warmup=3, device=None):
 class GraphedControlStep:
     """A host's control step at a fixed batch of n rows as two CUDA graphs: transition (frozen tower + host.step,
     writes `state` in place) and chunk (host.sample). Eagerly, the GPU idles while Python launches a thousand small
-    kernels. The chunk's noise is drawn eagerly as Host.sample draws it: with the same seed it acts as eagerly."""
+    kernels. The chunk's noise is an input, as for the eager Host.sample."""
 
     def __init__(self, host, images, ids, state_vec, state):
         cfg, dev = host.cfg, state.device
@@ -384,9 +402,9 @@ class GraphedControlStep:
         self.ids.copy_(ids)
         self.transition.replay()
 
-    def sample(self, state_vec):
+    def sample(self, state_vec, noise):
         self.state_vec.copy_(state_vec)
-        self.noise.copy_(torch.randn(self.noise.shape, device=self.noise.device))  # as Host.sample draws it
+        self.noise.copy_(noise)
         self.chunk.replay()
         return self.actions
 
@@ -468,9 +486,9 @@ def evaluate(tasks, trials, policy, slots, out, settings, reset_every=0):
     have = {(r["task_id"], r["trial"]) for r in logged}
     todo = [(t, k) for t, _, _ in tasks for k in range(trials) if (t, k) not in have]
     names = {t: name for t, name, _ in tasks}
-    torch.manual_seed(settings["seed"])  # the action expert's noise: the same command gives the same episodes
     with open(log_path, "a") as log:
-        for rec in tqdm(run_episodes(slots, policy, todo, reset_every), total=len(todo), desc=out, unit="episode"):
+        episodes = run_episodes(slots, policy, todo, reset_every, settings["seed"])
+        for rec in tqdm(episodes, total=len(todo), desc=out, unit="episode"):
             rec = dict(settings, task=names[rec["task_id"]], **rec)
             log.write(json.dumps(rec) + "\n")
             log.flush()  # at once: a crash loses at most the running episodes
@@ -530,8 +548,8 @@ def parser():
                    f"the memory advances every step (default: per suite, {REPLAN})")
     p.add_argument("--reset-every", type=int, default=0, help="also clear the memory every L frames (the reset "
                    "ablation); 0: only between episodes (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=7, help="LIBERO env.seed (openpi: 7); embedded suite layout seed "
-                   "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=7, help="with (task, trial): LIBERO's env.seed (openpi: 7), the "
+                   "embedded suite's layout, the policy's noise (default: %(default)s)")
     p.add_argument("--num-envs", type=int, default=1, help="environments stepped together; LIBERO: > 1 runs worker "
                    "processes; the embedded suite steps at least 16 (default: %(default)s)")
     p.add_argument("--max-steps", type=int, help=f"LIBERO policy steps per episode (default: {LIBERO_MAX_STEPS})")

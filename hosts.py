@@ -33,6 +33,7 @@ from pathlib import Path
 from unittest import mock
 
 import huggingface_hub
+import numpy as np
 import timm
 import torch
 import torch.nn as nn
@@ -558,24 +559,48 @@ def trainable_state(host):
 
 
 def save_checkpoint(path, obj):
-    """Atomic: write a temporary file, then rename, so an interruption never leaves a corrupt checkpoint."""
+    """Atomic and durable: write a temporary file <path>.tmp<pid>, flush it to the disk, rename it over `path`, flush
+    the folder, so neither a kill nor a power loss leaves a corrupt checkpoint (a kill leaves the temporary file:
+    data.remove_stale_tmp)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())  # the file's bytes reach the disk before the rename that publishes them
     os.replace(tmp, path)
+    if os.name == "posix":  # the rename itself is durable once the folder is flushed (Windows cannot open a folder)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def nonfinite(named_tensors):
-    """Names of the floating-point tensors holding NaN/inf (one host sync for all of them)."""
-    named = [(n, v) for n, v in named_tensors if torch.is_floating_point(v)]
-    ok = torch.stack([torch.isfinite(v).all() for _, v in named]).tolist() if named else []
-    return [n for (n, _), good in zip(named, ok) if not good]
+def nonfinite(obj):
+    """Key paths ("model/head.out.1.weight", "optimizer/state/3/exp_avg") of the floating-point tensors and numpy
+    arrays holding NaN/inf in `obj`, one or nested in dicts, lists and tuples (one host sync for all tensors).
+    Python numbers are not checked: arguments may be inf on purpose (--clip inf)."""
+    checks = []  # (key path, bool tensor: all finite)
+
+    def walk(x, name):
+        if isinstance(x, (dict, list, tuple)):
+            for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+                walk(v, f"{name}/{k}" if name else str(k))
+        elif torch.is_tensor(x) and torch.is_floating_point(x):
+            checks.append((name, torch.isfinite(x).all()))
+        elif isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
+            checks.append((name, torch.tensor(bool(np.isfinite(x).all()))))
+
+    walk(obj, "")
+    ok = torch.stack([c for _, c in checks]).tolist() if checks else []
+    return [n for (n, _), good in zip(checks, ok) if not good]
 
 
 def read_checkpoint(path):
     """-> ckpt dict on the CPU, with ckpt["file_sha1"] naming the file's bytes (read once). A file that is not a
-    train.py checkpoint (truncated, another format or program, NaN/inf weights) raises data.DataError naming it."""
+    train.py checkpoint (truncated, another format or program, NaN/inf in any tensor or array it holds: weights,
+    statistics, memory states, optimizer moments) raises data.DataError naming it and the key."""
     raw = Path(path).read_bytes()
     try:
         ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
@@ -584,9 +609,9 @@ def read_checkpoint(path):
     for k in ("config", "model", "stats", "tower_fingerprint"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
-    bad = nonfinite(ck["model"].items())
+    bad = nonfinite(ck)
     if bad:
-        raise data.DataError(f"{path}: the weights {bad[:3]} hold NaN/inf; this checkpoint cannot act or resume")
+        raise data.DataError(f"{path}: {', '.join(bad[:3])} hold NaN/inf; this checkpoint cannot act or resume")
     ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
     return ck
 

@@ -902,14 +902,21 @@ def _corrupt(tmp_path, changes):
     (D1 + "actions", 1.0, None), (D0 + "actions", np.zeros((4, 0)), None),  # a scalar; Da = 0
     (D1 + "obs/ee_states", np.zeros((5, 3)), None), (D1 + "obs/agentview_rgb", np.zeros((5, 8, 10, 3)), None),
     (D1 + "actions", np.ones((4, 7)), D1[:-1]), (D1 + "obs/eye_in_hand_rgb", np.zeros((5, 4, 4, 3), np.uint8), D1[:-1]),
+    (D1 + "obs/agentview_rgb", np.zeros((4, 8, 10, 3), np.uint8), D1[:-1]),  # 4 images, 5 actions
+    (D1 + "obs/eye_in_hand_rgb", np.zeros((5, 8, 10, 4), np.uint8), None),  # 4 channels
     (D1 + "actions", np.full((5, 7), np.nan), None), (D0 + "actions", np.full((4, 7), 1e39), None),  # inf as float32
     (INFO, "{not json", None), (INFO, json.dumps({"language_instruction": [1, 2]}), "language_instruction"),
     (INFO, json.dumps({"language_instruction": " "}), "language_instruction")])
 def test_bad_input_raises(tmp_path, key, value, named):
+    """Named by file and key, and found before any frame is encoded: by train.scan (no pixels read) and by the
+    feature cache, whose encoder here fails if called."""
     p = _corrupt(tmp_path, {key: value})
-    with pytest.raises(data.DataError) as e:
-        data.read_demo_file(p)
-    assert str(p) in str(e.value) and (named or key) in str(e.value)
+    never = mock.Mock(side_effect=AssertionError("a frame was encoded"))
+    for reader in (data.read_demo_file, lambda p: train.scan([p]),
+                   lambda p: data.build_feature_cache([p], never, "k", tmp_path / "cache", progress=False)):
+        with pytest.raises(data.DataError) as e:
+            reader(p)
+        assert str(p) in str(e.value) and (named or key) in str(e.value)
 
 
 
@@ -929,6 +936,91 @@ def test_frame_size_scan_and_unreadable_files(tmp_path):
     with pytest.raises(data.DataError, match=r"bad_demo.hdf5: data/demo_1/actions.*a_demo.hdf5: data/demo_0/actions"):
         train.scan([a, b])
     assert train.scan([a]) == (["pick up the bowl"], 7, (8, 10))
+
+
+
+@pytest.mark.parametrize("key, value, refused", [
+    ("actions", 1e30, True), ("actions", 1e4, True), ("actions", -1.01, True), ("obs/ee_states", 1e4, True),
+    ("obs/gripper_states", -1e30, True), ("actions", -1.0, False), ("obs/ee_states", 2 * np.pi, False)])
+def test_absurd_finite_values_are_refused_by_name(tmp_path, capsys, key, value, refused):
+    """One finite value in one demo would set its dimension's normalisation std: an action outside LIBERO's [-1, 1]
+    or a state far outside what the suite's frames span is refused by train.py (before encoding) and data.py, one
+    line naming file, demo and key. Values at legitimate extremes pass."""
+    rng = np.random.default_rng(7)
+    (tmp_path / "libero_10").mkdir()
+    good = write_libero(tmp_path / "libero_10" / "a_demo.hdf5", [make_demo(rng, 6) for _ in range(3)])
+    demos = [make_demo(rng, 6) for _ in range(3)]
+    demos[2][key.removeprefix("obs/")][4, 1] = value
+    bad = write_libero(tmp_path / "libero_10" / "b_demo.hdf5", demos)
+    if not refused:
+        assert train.scan([good, bad])[1] == 7
+        return
+    for main, argv in ((train.main, ["--data", str(tmp_path), "--out", str(tmp_path / "run")]),
+                       (data.main, ["--data-root", str(tmp_path)])):
+        err = usage_error(main, ["--suite", "libero_10"] + argv, capsys)
+        assert len(err.strip().splitlines()) == 1 and f"{bad}: data/demo_2/{key}" in err
+
+
+
+def test_damaged_hdf5_is_named(tmp_path, capsys, recwarn):  # recwarn: damaged groups also warn
+    """A corrupt compressed image chunk, and each zeroed 512-byte block of a file (metadata or data): read, or a
+    DataError naming the file (and demo and key where known), one line and exit status 2 from data.py and train.py,
+    never h5py's bare OSError / RuntimeError."""
+    img = np.zeros((5, 8, 10, 3), np.uint8)
+    img[:, 2:5] = 200  # flat colours: lzf compresses each frame's chunk (random pixels would be stored raw)
+    p = tmp_path / "libero_10" / "x_demo.hdf5"
+    data.write_demo_file(p, "pick", [dict(make_demo(np.random.default_rng(i), 5), agentview_rgb=img,
+                                          eye_in_hand_rgb=img) for i in range(2)])
+    good = p.read_bytes()
+    with h5py.File(p) as f:
+        chunk = f["data/demo_1/obs/eye_in_hand_rgb"].id.get_chunk_info(2)
+    assert chunk.filter_mask == 0  # lzf applied
+    p.write_bytes(good[:chunk.byte_offset] + b"\xff" * chunk.size + good[chunk.byte_offset + chunk.size:])
+    with pytest.raises(data.DataError, match=re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb")):
+        data.read_demo_file(p)
+    metadata = []  # blocks whose zeroing train.scan (no pixels read) reports
+    for at in [None] + list(range(0, len(good), 512)):  # None: the corrupt chunk
+        if at is not None:
+            p.write_bytes(good[:at] + bytes(512) + good[at + 512:])
+        try:
+            data.main(["--suite", "libero_10", "--data-root", str(tmp_path)])
+        except SystemExit as e:
+            err = capsys.readouterr().err
+            assert e.code == 2 and len(err.strip().splitlines()) == 1 and str(p) in err, (at, err)
+        try:
+            train.scan([p])
+        except data.DataError as e:
+            assert str(p) in str(e)
+            metadata += [at] if at else []
+    assert metadata  # damage past the superblock was exercised
+    p.write_bytes(good[:metadata[0]] + bytes(512) + good[metadata[0] + 512:])
+    err = usage_error(train.main, ["--suite", "libero_10", "--data", str(tmp_path), "--out", str(tmp_path / "r")],
+                      capsys)
+    assert len(err.strip().splitlines()) == 1 and str(p) in err
+
+
+
+def test_a_named_data_folder_is_only_read(tmp_path, monkeypatch, capsys):
+    """The embedded suite is generated into the default data root only; a --data folder lacking task files is one line
+    naming the folder and the missing files, nothing written; a file without a 'data' group is named as such."""
+    monkeypatch.chdir(tmp_path)
+    one = dict(tasks=["cue_colour"], n_episodes=1, progress=False)
+    made = data.find_demo_files(data.DEFAULT_DATA_ROOT, "memory", **one)
+    assert [f.name for f in made] == ["cue_colour_demo.hdf5"]
+    mine = tmp_path / "mine" / "memory"
+    mine.mkdir(parents=True)
+    (mine / made[0].name).write_bytes(made[0].read_bytes())
+    monkeypatch.setattr(train, "scan", mock.Mock(side_effect=AssertionError("read past the missing files")))
+    err = usage_error(train.main, ["--data", str(mine.parent), "--out", str(tmp_path / "run"), "--episodes", "1"],
+                      capsys)
+    assert len(err.strip().splitlines()) == 1 and str(mine) in err and "data.py --suite memory" in err
+    assert all(f"{t}_demo.hdf5" in err for t in list(data.MEMORY_TASKS)[1:])
+    assert [f.name for f in mine.iterdir()] == [made[0].name] and not (tmp_path / "run").exists()
+    with h5py.File(mine / made[0].name, "w") as f:
+        f.create_group("demos")
+    with pytest.raises(data.DataError, match=rf"{made[0].name}: no 'data' group") as e:
+        data.find_demo_files(mine.parent, "memory", **one)
+    assert "--overwrite" not in str(e.value)  # not taken for a file of an older MEMORY_SUITE_VERSION
 
 
 
@@ -1064,6 +1156,9 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
             build()
         (entry / f).write_bytes(good[f])
     assert len(build()[0].tokens) == 4
+    ident = json.loads((entry / "meta.json").read_text())["source"]  # another run completes the entry first:
+    data._write_entry(p, ident, entry, enc, 2, False)  # theirs is kept, this one's folder removed
+    assert list(entry.parent.iterdir()) == [entry] and len(build()[0].tokens) == 4
 
 
 
@@ -1128,7 +1223,7 @@ def test_memory_suite_files(tmp_path, monkeypatch):
     """Demos are DART-expert successes of the env at the generator's seeds, pinned, counterbalanced, written once."""
     real, seeds = np.random.default_rng, []  # numpy >= 2.5 rejects nested seed lists: record them, check flat below
     monkeypatch.setattr(np.random, "default_rng", lambda seed=None: seeds.append(seed) or real(seed))
-    generate = lambda **kw: data.find_demo_files(tmp_path, "memory", progress=False, **kw)
+    generate = lambda **kw: data.find_demo_files(tmp_path, "memory", generate=True, progress=False, **kw)
     files = {f.name[:-len("_demo.hdf5")]: f for f in generate(n_episodes=9)}
     assert list(files) == sorted(data.MEMORY_TASKS)
     digests = {"cue_colour": "bfe7a318efc3f9b3", "count_2": "546be8d2654893f9"}  # of the first 3 demos
@@ -1176,6 +1271,7 @@ TINY = ["--episodes", "3", "--image-size", "32", "--d-model", "32", "--head-bloc
 
 
 def tiny_train(root, out, *extra):
+    data.generate_memory_suite(root / "data", n_episodes=3, progress=False)  # train.py only reads a --data folder
     args = ["--data", str(root / "data"), "--cache-dir", str(root / "cache"), "--out", str(root / out)]
     return train.main(args + TINY + list(extra))
 
@@ -1239,6 +1335,9 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
 
 def test_resume_is_exact(tmp_path, capsys):
     a = tiny_train(tmp_path, "a", "--steps", "10", "--save-every", "100")
+    before, again = Path(a).read_bytes(), lambda argv: tiny_train(tmp_path, "a", *argv)
+    err = usage_error(again, ["--steps", "10"], capsys)  # an existing run is never replaced silently
+    assert "--resume" in err and "--overwrite" in err and Path(a).read_bytes() == before
     tiny_train(tmp_path, "b", "--steps", "10", "--save-every", "100", "--stop-at", "6")  # "interrupted" at 6
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 6
     # the resumed command names only the run: TINY's architecture, --lr, --steps come from the checkpoint
@@ -1282,9 +1381,11 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--clip", "0"], "--clip"), (["--clip", "nan"], "--clip"), (["--weight-decay", "nan"], "--weight-decay"),
     (["--mem-lr-mult", "-2"], "--mem-lr-mult"), (["--warmup", "-3"], "--warmup"),
     (["--eval-episodes", "-1"], "--eval-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
-    (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}")])
-def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys):
+    (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
+    (["--resume", "--overwrite"], "--overwrite")])
+def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):
     """A bad value is refused naming the flag, before anything runs, edge values (and vla's unused --d-model) pass."""
+    monkeypatch.chdir(tmp_path)  # the default --out runs/...: not a run trained in this clone
     assert flag in usage_error(train.get_args, argv, capsys)
     a = train.get_args(["--clip", "inf", "--mem-lr-mult", "0", "--weight-decay", "0", "--warmup", "0", "--seed", "0"])
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
@@ -1306,7 +1407,8 @@ def test_help_shows_every_default(capsys):
 
 def test_user_errors_are_one_line_and_exit_status_2(tmp_path):
     """A missing data folder / checkpoint: one stderr line naming the path, exit status 2, before any training."""
-    for argv, name in ((["--suite", "libero_10", "--data", str(tmp_path / "nowhere")], "nowhere"),
+    for argv, name in ((["--suite", "libero_10", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")],
+                        "nowhere"),
                        (["--out", str(tmp_path / "run"), "--resume"], "run/ckpt.pt")):
         r = subprocess.run([sys.executable, "train.py"] + argv, cwd=Path(train.__file__).parent, capture_output=True,
                            text=True, timeout=300)
@@ -1316,8 +1418,9 @@ def test_user_errors_are_one_line_and_exit_status_2(tmp_path):
 
 
 def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys):
-    """Torn writes and NaN steps leave the last good checkpoint, NaN weights are refused naming file and weight, and
-    --mem-lr-mult 0 keeps the DRAM layers' initial weights exactly (AdamW's weight decay is lr-scaled too)."""
+    """Torn writes and NaN steps leave the last good checkpoint; NaN/inf anywhere in a checkpoint is refused at load
+    naming file and key; a start removes the temporary files of killed writers, not a running one's; --mem-lr-mult
+    0 keeps the DRAM layers' initial weights exactly (AdamW's weight decay is lr-scaled too)."""
     good = tiny_train(tmp_path, "a", "--steps", "2", "--save-every", "1", "--mem-lr-mult", "0")
     before, real_save, ck = Path(good).read_bytes(), torch.save, torch.load(good, weights_only=False)
     torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
@@ -1335,6 +1438,14 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
         hosts.save_checkpoint(good, {"step": 3})
     monkeypatch.setattr(torch, "save", real_save)
     assert Path(good).read_bytes() == before
+    dead, cache = subprocess.Popen(["true"]), next((tmp_path / "cache").iterdir())
+    dead.wait()  # a writer killed mid-write: its pid runs no more
+    stale, live = [Path(f"{good}.tmp{dead.pid}")], [Path(f"{good}.tmp{os.getpid()}")]  # live: the torn write's
+    for pid, kept in ((dead.pid, stale), (os.getpid(), live)):
+        kept.append(cache / f"entry.tmp{pid}")  # a feature-cache entry being written
+        kept[-1].mkdir()
+        (kept[-1] / "tokens.npy").write_bytes(b"half")
+    Path(stale[0]).write_bytes(b"half")
     real = train.train_step
 
     def poisoned(host, opt, params, *args, **kw):
@@ -1346,11 +1457,18 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     with pytest.raises(FloatingPointError, match=r"step 3: the weights hold NaN/inf .*ckpt.pt is not written"):
         tiny_train(tmp_path, "a", "--steps", "4", "--save-every", "1", "--resume")
     assert Path(good).read_bytes() == before
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in live)
     name = next(iter(ck["model"]))
+    for key, get in ((f"model/{name}", lambda c: c["model"][name]), ("stats/action_std", lambda c: c["stats"][
+            "action_std"]), ("optimizer/state/0/exp_avg_sq", lambda c: c["optimizer"]["state"][0]["exp_avg_sq"]),
+            ("mem_state/0", lambda c: c["mem_state"][0])):  # tensors and numpy arrays, nested
+        bad = copy.deepcopy(ck)
+        get(bad).reshape(-1)[-1] = float("nan")
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(data.DataError) as e:
+            hosts.read_checkpoint(tmp_path / "bad.pt")
+        assert "bad.pt" in str(e.value) and key in str(e.value)
     ck["model"][name].view(-1)[0] = float("inf")
-    torch.save(ck, tmp_path / "bad.pt")
-    with pytest.raises(data.DataError, match=rf"bad.pt: the weights \['{name}'\] hold NaN/inf"):
-        hosts.read_checkpoint(tmp_path / "bad.pt")
     torch.save(ck, good)
     err = usage_error(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "a"), "--resume"], capsys)
     assert "ckpt.pt" in err and name in err
@@ -1379,6 +1497,7 @@ def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
 
 def test_ddp_two_processes_gloo(tmp_path):
     """torchrun, 2 CPU processes (gloo): disjoint episode shares, weights in sync (train.py checks), pooled stats."""
+    data.generate_memory_suite(tmp_path / "data", n_episodes=3, progress=False)
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
             "--steps", "12", "--device", "cpu"] + TINY
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -1487,19 +1606,22 @@ class ToyEnv:
 
 
 class RecordingPolicy:
-    """Logs (episode, frame, frames since its reset) of each row per call; draws torch noise; NaN where nan_at(obs)."""
+    """Logs (episode, frame, frames since its reset) of each row per call; draws from each row's episode generator;
+    NaN where nan_at(obs)."""
 
     def __init__(self, nan_at=lambda obs: False):
-        self.calls, self.draws, self.count, self.starts, self.nan_at = [], [], 0, 0, nan_at
+        self.calls, self.draws, self.count, self.starts, self.nan_at, self.rngs = [], [], 0, 0, nan_at, {}
 
-    def reset(self, rows, new_episode):
+    def reset(self, rows, new_episode, rngs):
         assert not (new_episode & ~rows).any()  # an episode start clears the memory too
+        assert sorted(rngs) == list(np.flatnonzero(new_episode))  # its own generator for each episode that starts
         self.starts += int(new_episode.sum())
         self.count = np.where(rows, 0, self.count)  # [n]
+        self.rngs.update(rngs)
 
     def act(self, observations, instructions):
         self.calls.append([(o["ep"], o["t"], c) for o, c in zip(observations, self.count)])
-        self.draws.append(torch.rand(len(observations)))
+        self.draws.append([self.rngs[i].random() for i in range(len(observations))])
         self.count += 1
         return np.where([[self.nan_at(o)] for o in observations], np.nan, np.zeros((len(observations), 7)))
 
@@ -1554,17 +1676,16 @@ def test_embedded_suite_in_workers(tmp_path):
 
 
 def test_jsonl_resume_and_guards(tmp_path):
-    """Same noise whatever torch's RNG state; a re-run runs only missing episodes; a bad log line names file:line."""
+    """Same noise whatever the RNGs' states; a re-run runs only missing episodes; a bad log line names file:line."""
     tasks, run = [(0, "toy0", ""), (1, "toy1", "")], dict(policy="rec", seed=7, reset_every=0)
     make = functools.partial(ToyEnv, max_steps=8)  # task 1 trial 2 succeeds on its last allowed step
     evaluate = lambda trials, policy=None, run=run, out=tmp_path: ev.evaluate(  # noqa: E731
         tasks, trials, policy or RecordingPolicy(), ev.EnvSlots(make, 1), str(out), run)
     policies = [RecordingPolicy() for _ in range(3)]
     for i, (seed, policy) in enumerate(zip([7, 7, 8], policies)):
-        torch.manual_seed(1000 + i)  # whatever state the process happens to be in
+        torch.manual_seed(1000 + i), np.random.seed(i)  # whatever state the process happens to be in
         evaluate(2, policy, dict(run, seed=seed), tmp_path / str(i))
-    noise = [torch.cat(p.draws) for p in policies]
-    assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert policies[0].draws == policies[1].draws != policies[2].draws
     s1, policy = evaluate(2), RecordingPolicy()
     assert s1["episodes"] == 4 and s1["mean"] == pytest.approx(0.5)  # even trials succeed
     s2, log = evaluate(3, policy), tmp_path / "episodes.jsonl"
@@ -1604,6 +1725,47 @@ def test_checkpoint_policy_deployment_semantics(trained):
 
 
 
+class TracedSlots(ev.EnvSlots):
+    """EnvSlots that also sum the actions sent to each episode (task_id, trial): a trace of its policy noise."""
+
+    def call(self, cmd, args):
+        self.ep, self.trace = getattr(self, "ep", {}), getattr(self, "trace", {})
+        for i, a in args.items():
+            if cmd == "reset":
+                self.ep[i] = a
+            else:
+                self.trace[self.ep[i]] = self.trace.get(self.ep[i], 0) + a
+        return super().call(cmd, args)
+
+
+
+def test_an_episode_depends_only_on_its_task_trial_and_seed(trained, tmp_path):
+    """Killed and resumed, 1 or 4 environments (workers host only environments: test_embedded_suite_in_workers), a
+    --tasks subset: each episode ends as in one uninterrupted run, its actions equal up to float rounding (CPU
+    kernels round a row differently in batches of other sizes: ~1e-7)."""
+    ck, tasks = trained[1], ev.suite_tasks("memory", [0, 2, 4])
+    make = functools.partial(ev.MemorySuiteEnv, seed=7, image_size=ev.CheckpointPolicy(ck).frame_size[0])
+
+    def run(out, n=16, tasks=tasks, policy=None):
+        with contextlib.closing(TracedSlots(make, n)) as slots:
+            ev.evaluate(tasks, 2, policy or ev.CheckpointPolicy(ck), slots, str(tmp_path / out), dict(seed=7))
+        recs = ev.load_log(tmp_path / out / "episodes.jsonl")
+        return {(r["task_id"], r["trial"]): dict(r, wall_s=None) for r in recs}, slots.trace
+
+    full, trace = run("full")
+    kill, calls, policy = sorted(r["steps"] for r in full.values())[2], [], ev.CheckpointPolicy(ck)
+    act = policy.act  # killed at the act() after the third-shortest episode ended (all 6 started together)
+    policy.act = lambda *a: calls.append(1) or (act(*a) if len(calls) <= kill else sys.exit("killed"))
+    with pytest.raises(SystemExit):
+        run("resumed", policy=policy)
+    assert 0 < len(ev.load_log(tmp_path / "resumed" / "episodes.jsonl")) < 6  # some episodes ran after the resume
+    runs = [run("resumed"), run("one", n=1), run("four", n=4), run("subset", tasks=tasks[:0:-1])]  # --tasks 4 2
+    for recs, tr in runs:
+        assert recs == {k: full[k] for k in recs} and len(recs) == (4 if recs.keys() < full.keys() else 6)
+        assert tr and all(np.abs(tr[k] - trace[k]).max() < 1e-4 for k in tr), (tr, trace)
+
+
+
 def test_train_quick_eval_and_results(trained, tmp_path):
     """train.py's <out>/eval_quick summarises its log; a changed checkpoint never resumes it; several: side by side."""
     root, quick = trained[0], ["quick", "--steps", "2", "--eval-episodes", "1"]  # root: its demos and feature cache
@@ -1617,7 +1779,7 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     torch.save(dict(c, model=dict(c["model"], **{name: c["model"][name] + 1.0})), ck)  # changed in place
     with pytest.raises(hosts.ConfigError, match="checkpoint_sha1"):
         ev.evaluate_checkpoints([ck], suite="memory", trials=2, seed=1000, out=str(out))
-    tiny_train(root, *quick, "--seed", "1")  # trained again: a fresh log
+    tiny_train(root, *quick, "--seed", "1", "--overwrite")  # trained again: a fresh log
     recs = ev.load_log(out / "episodes.jsonl")
     assert len(recs) == 6 and {r["checkpoint_sha1"] for r in recs} == {ev.CheckpointPolicy(ck).sha1}
     s2 = ev.evaluate_checkpoints([ck, trained[1]], suite="memory", trials=1, tasks=[0], out=str(tmp_path / "both"))

@@ -50,7 +50,8 @@ def parser():
     p.add_argument("--write-source", default="hidden", choices=["native_kv", "hidden", "last_hidden"],
                    help="vla host: what the memory layers write")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
-    p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5")
+    p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
+                   "read (the embedded suite is generated into the default root only)")
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
     p.add_argument("--vision", default=None, help="timm model of the frozen tower (default: vit_tiny_patch16_224, "
@@ -71,7 +72,7 @@ def parser():
     p.add_argument("--mem-lr-mult", type=float, default=2.0, help="peak lr of the memory layers = this x --lr")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
     p.add_argument("--episodes", type=int, default=None, help="embedded suite: demos per task, generated once "
-                   f"(default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
+                   f"into the default --data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
     p.add_argument("--mem-depth", type=int, default=None, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
     p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
@@ -82,6 +83,7 @@ def parser():
     p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
     p.add_argument("--out", default=None, help="run directory (default: runs/<host>-<memory>-<suite>)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt")
+    p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds a run, replacing it")
     p.add_argument("--save-every", type=int, default=250, help="checkpoint every this many steps")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default="auto", help="auto: one GPU per process if there are enough, else cpu")
@@ -127,6 +129,11 @@ def get_args(argv=None):
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
     if Path(a.out).exists() and not Path(a.out).is_dir():
         p.error(f"--out {a.out} is a file, not a folder")
+    if a.resume and a.overwrite:
+        p.error("--resume continues the run in --out, --overwrite replaces it: pass one of them")
+    if not (a.resume or a.overwrite) and (Path(a.out) / "ckpt.pt").exists():
+        p.error(f"--out {a.out} holds a run (ckpt.pt): continue it with --resume, train into another --out, or "
+                f"replace it with --overwrite")
     return a
 
 
@@ -139,7 +146,7 @@ def given_flags(argv=None):
 
 # --resume: what this run's command line may set differently from the saved run's (everything else is the saved
 # run's value unless given again, and must then be equal)
-RESUME_THIS_RUN = ("resume", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
+RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
                    "eval_episodes", "weights_file")  # where and how this process runs
 RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # e.g. train on to more steps
 
@@ -232,23 +239,20 @@ def set_rng_state(st, dev):
 # ---- Data -> host ------------------------------------------------------------------------------------------------
 
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files, every demo's
-    actions and states validated, no pixels read. The frame size goes into the checkpoint: eval.py renders the
-    simulator at the size the policy was trained on."""
-    vocab, Da, sizes = set(), None, {}
+    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files, before any frame
+    is encoded: every demo's shapes and dtypes, actions and states validated (data.check_values over all of them),
+    no pixels read. The frame size goes into the checkpoint: eval.py renders the simulator at the size the policy
+    was trained on."""
+    vocab, demos, sizes = set(), [], {}
     for f in files:
-        instr, demos = data.iter_demo_file(f, images=False)
+        instr, ds = data.iter_demo_file(f, images=False)
         vocab.add(instr)
-        for d in demos:
-            if Da is None:
-                Da, first = d.actions.shape[1], f"{f}: data/{d.name}"
-            elif d.actions.shape[1] != Da:
-                raise data.DataError(f"{f}: data/{d.name}/actions has {d.actions.shape[1]} dimensions, "
-                                     f"{first}/actions has {Da}")
+        demos += [(f"{f}: data/{d.name}", d.state, d.actions) for d in ds]
         sizes.setdefault(data.frame_size(f), f)
     if len(sizes) > 1:
         raise data.DataError(f"the demo files' camera images differ in size: {sizes}")
-    return sorted(vocab), Da, next(iter(sizes))
+    data.check_values(demos)  # also: one action width
+    return sorted(vocab), demos[0][2].shape[1], next(iter(sizes))
 
 
 def feature_cache_key(host):
@@ -327,6 +331,8 @@ def run(argv=None):
         ck = read_checkpoint(ckpt_path)
         a = resume_args(a, ck["args"], given_flags(argv), ckpt_path)
     rank, world, wait = setup_distributed(a)
+    if rank == 0:  # checkpoint writes of killed runs (save_checkpoint's temporary files)
+        data.remove_stale_tmp(out.glob("ckpt.pt.tmp*"))
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
@@ -381,7 +387,7 @@ def run(argv=None):
     def checkpoint():
         """Every rank contributes its sampler position, memory state and RNG; rank 0 writes. Weights that are no
         longer finite are not written: the last good checkpoint stays."""
-        bad = nonfinite((n, p) for n, p in host.named_parameters() if p.requires_grad)
+        bad = nonfinite({n: p for n, p in host.named_parameters() if p.requires_grad})
         if bad:
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
