@@ -53,6 +53,7 @@ def policy_frame(obs, images=True):
 class Demo:
     name: str  # "demo_<i>"
     images: dict  # cam -> uint8 [T, H, W, 3] upright (empty when read with images=False)
+    frame_hw: tuple  # (H, W) of its camera images (all cameras share it)
     state: np.ndarray  # float32 [T, 8] = ee_states + gripper_states
     actions: np.ndarray  # float32 [T, Da]
 
@@ -70,39 +71,36 @@ def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
     files = sorted(folder.glob("*_demo.hdf5"))
     if not files:
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
-        hint = (f"Get it with LIBERO's `python benchmark_scripts/download_libero_datasets.py --datasets {dl} "
-                "--use-huggingface` (github.com/Lifelong-Robot-Learning/LIBERO) and pass the download folder as the "
-                "data root (<data_root>/<suite>/<task name>_demo.hdf5). The embedded suite needs no download: "
-                "--suite memory.")  # the memory suite's missing files are reported by generate_memory_suite
         what = "holds no *_demo.hdf5 files" if folder.is_dir() else "does not exist"
-        raise DataError(f"data directory {folder} {what}. {hint}")
+        raise DataError(f"data directory {folder} {what}. Get it with LIBERO's `python benchmark_scripts/"
+                        f"download_libero_datasets.py --datasets {dl} --use-huggingface` (github.com/Lifelong-Robot-"
+                        "Learning/LIBERO) and pass the download folder as the data root (<data_root>/<suite>/<task "
+                        "name>_demo.hdf5). The embedded suite needs no download: --suite memory.")
     return files
-
-
-def open_demo_file(path):
-    """The demo file, open read-only; a missing file or one that is not HDF5 is a DataError naming it."""
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:  # h5py's message need not name the file
-        raise DataError(f"demo file {path} cannot be read as HDF5 ({e})") from e
 
 
 @contextlib.contextmanager
 def _h5_errors(where):
-    """Around every read of an open demo file: h5py's errors name no file (a corrupt compressed chunk: OSError
-    'filter returned failure during read'; damaged metadata: RuntimeError 'Unable to get group info', KeyError)."""
+    """h5py's errors name no file (not HDF5: OSError; a corrupt compressed chunk: OSError 'filter returned failure
+    during read'; damaged metadata: RuntimeError 'Unable to get group info', KeyError): a DataError naming `where`."""
     try:
         yield
     except DataError:
         raise
     except (OSError, RuntimeError, KeyError, ValueError) as e:
-        raise DataError(f"{where} cannot be read ({type(e).__name__}: {e}): the file is damaged; download or "
+        raise DataError(f"{where} cannot be read ({type(e).__name__}: {e}): not HDF5, or damaged; download or "
                         "generate it again") from e
 
 
+@contextlib.contextmanager
+def open_demo_file(path):
+    """The demo file, open read-only; every h5py error inside names the file (the readers below also name the key)."""
+    with _h5_errors(path), h5py.File(path, "r") as f:
+        yield f
+
+
 def _instruction(f, path):
-    with _h5_errors(f"{path}: data.attrs['problem_info']"):
-        info = f["data"].attrs.get("problem_info")
+    info = f["data"].attrs.get("problem_info")
     if info is None:  # LIVING_ROOM_SCENE2_put_the_bowl_demo.hdf5 -> 'put the bowl'
         instr = re.sub(r"^.*?SCENE\d+_|_demo$", "", Path(path).stem).replace("_", " ").strip()
         warnings.warn(f"{path}: data.attrs['problem_info'] missing; instruction taken from the file name: '{instr}'")
@@ -119,13 +117,12 @@ def _instruction(f, path):
 
 
 def _demo_names(f, path):
-    with _h5_errors(f"{path}: data"):
-        if not isinstance(f.get("data"), h5py.Group):
-            raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
-        names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
-        if not names:
-            raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
-        other = [k for k in f["data"].keys() if k not in names]
+    if not isinstance(f.get("data"), h5py.Group):
+        raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
+    names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
+    if not names:
+        raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
+    other = [k for k in f["data"].keys() if k not in names]
     if other:
         warnings.warn(f"{path}: data/{other[:10]} are not demo_<i> groups and are not read")
     return sorted(names, key=lambda k: int(k.split("_")[1]))  # numeric: demo_2 before demo_10
@@ -159,14 +156,14 @@ def _read_demo(f, path, name, images=True):
     for k in ["actions"] + [f"obs/{x}" for x in STATE_KEYS + (CAMERAS if images else ())]:
         with _h5_errors(f"{where}/{k}"):
             arrays[k] = ds[k][()]
-    for k, a in arrays.items():
         with np.errstate(over="ignore"):
-            bad = ~np.isfinite(a.astype(np.float32))  # as training reads it: float64 beyond 3.4e38 becomes inf
+            bad = ~np.isfinite(arrays[k].astype(np.float32))  # as training reads it: float64 beyond 3.4e38 is inf
         if bad.any():
             raise DataError(f"{where}/{k} has NaN/inf or values beyond float32's range "
                             f"(first at frame {np.argwhere(bad)[0][0]})")
     imgs, state = policy_frame({k.removeprefix("obs/"): a for k, a in arrays.items()}, images)  # [T,H,W,3], [T,8]
-    return Demo(name=name, images=imgs, state=state, actions=arrays["actions"].astype(np.float32))
+    return Demo(name=name, images=imgs, frame_hw=shapes[f"obs/{CAMERAS[0]}"][1:3], state=state,
+                actions=arrays["actions"].astype(np.float32))
 
 
 def iter_demo_file(path, images=True):
@@ -185,19 +182,6 @@ def read_demo_file(path, images=True):
     """(instruction, list[Demo]), fully validated."""
     instruction, demos = iter_demo_file(path, images)
     return instruction, list(demos)
-
-
-def frame_size(path):
-    """(H, W) of a demo file's camera images (no pixel reads). All its demos must agree: eval.py renders the
-    simulator at the size the policy was trained on."""
-    with open_demo_file(path) as f:
-        sizes = {}  # (H, W) -> the first key that has it
-        for name in _demo_names(f, path):
-            for c in CAMERAS:
-                sizes.setdefault(_dataset(f, path, name, f"obs/{c}").shape[1:3], f"data/{name}/obs/{c}")
-        if len(sizes) > 1:
-            raise DataError(f"{path}: the camera images differ in size: {sizes}")
-        return next(iter(sizes))
 
 
 def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
@@ -237,42 +221,33 @@ OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie f
 def check_values(demos):
     """Refuse finite but absurd values before they set the statistics (one action of 1e30 made its dimension's std
     7e27) with a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>",
-    state [T,8], actions [T,Da])], all of the suite, pooled as compute_stats pools them. Rules that no legitimate
-    demo breaks:
+    state [T,8], actions [T,Da])], all of the suite. Rules that no legitimate demo breaks:
     - every action lies in [-1, 1]: LIBERO's are OSC_POSE deltas and a gripper command in [-1, 1] (LIBERO's
       create_dataset.py); the embedded env clips actions to [-1, 1] and its expert stays inside.
-    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over all frames.
-      The quantiles leave out the most extreme 1% of frames at each end (at least one frame), so a few corrupt
-      frames cannot widen their own yardstick; |m| and 1 keep it positive on constant dimensions (the embedded
-      suite's zero ee_states[2:]). States are metres, radians (axis-angle, |.| <= pi) and gripper widths, within a
-      few units of their median: only gross errors (garbage, another unit) lie 100 yardsticks away."""
-    Da = demos[0][2].shape[1]
+    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over all frames
+      of the suite. The quantiles leave out the most extreme 1% of frames at each end (at least one frame), so a
+      few corrupt frames cannot widen their own yardstick; |m| and 1 keep it positive on constant dimensions (the
+      embedded suite's zero ee_states[2:]). States are metres, radians (axis-angle, |.| <= pi) and gripper widths,
+      within a few units of their median: only gross errors (garbage, another unit) lie 100 yardsticks away."""
+    Da, s = demos[0][2].shape[1], np.concatenate([x for _, x, _ in demos]).astype(np.float64)  # s: [N, 8]
+    m = np.median(s, 0)  # [8]
+    lo, hi = np.quantile(s, 0.01, 0, method="higher"), np.quantile(s, 0.99, 0, method="lower")  # [8]
+    span = OUTLIER_SPANS * np.maximum(hi - lo, np.maximum(np.abs(m), 1.0))  # [8]
     for where, _, a in demos:
         if a.shape[1] != Da:
             raise DataError(f"{where}/actions has {a.shape[1]} dimensions, {demos[0][0]}/actions has {Da}")
-    s = np.concatenate([x for _, x, _ in demos]).astype(np.float64)  # [N, 8]
-    a = np.concatenate([x for _, _, x in demos])  # [N, Da]
-    m = np.median(s, 0)  # [8]
-    lo, hi = np.quantile(s, 0.01, 0, method="higher"), np.quantile(s, 0.99, 0, method="lower")  # [8]
-    far = np.abs(s - m) > OUTLIER_SPANS * np.maximum(hi - lo, np.maximum(np.abs(m), 1.0))  # [N, 8]
-    out = np.abs(a) > 1 + 1e-6  # [N, Da]; 1e-6: float rounding of a clipped action
-    ends = np.cumsum([len(x) for _, _, x in demos])  # [n_demos] one past each demo's last pooled frame
-
-    def first(bad):  # the first flagged value: its demo's "<file>: data/<demo>", frame in that demo, dimension
-        n, c = np.argwhere(bad)[0]
-        d = int(np.searchsorted(ends, n, "right"))
-        return demos[d][0], n - ends[d] + len(demos[d][2]), c, n
-
-    if out.any():
-        where, t, c, n = first(out)
-        raise DataError(f"{where}/actions[{t}, {c}] = {a[n, c]:g}: actions must lie in [-1, 1] (LIBERO's and the "
-                        f"embedded suite's do)")
-    if far.any():
-        where, t, c, n = first(far)
-        key, j = (STATE_KEYS[0], c) if c < 6 else (STATE_KEYS[1], c - 6)  # state = ee_states [6] + gripper [2]
-        raise DataError(f"{where}/obs/{key}[{t}, {j}] = {s[n, c]:g} lies over {OUTLIER_SPANS} x max(q99 - q1, "
-                        f"|median|, 1) from the median of the suite's frames ({m[c]:g}; q1 {lo[c]:g}, q99 "
-                        f"{hi[c]:g}): a corrupt value or another unit")
+        bad = np.argwhere(np.abs(a) > 1 + 1e-6)  # 1e-6: float rounding of a clipped action
+        if len(bad):
+            t, c = bad[0]
+            raise DataError(f"{where}/actions[{t}, {c}] = {a[t, c]:g}: actions must lie in [-1, 1] (LIBERO's and "
+                            f"the embedded suite's do)")
+    for where, x, _ in demos:
+        bad = np.argwhere(np.abs(x - m) > span)
+        if len(bad):
+            t, c = bad[0]
+            key, j = (STATE_KEYS[0], c) if c < 6 else (STATE_KEYS[1], c - 6)  # state = ee_states [6] + gripper [2]
+            raise DataError(f"{where}/obs/{key}[{t}, {j}] = {x[t, c]:g} lies over {OUTLIER_SPANS} yardsticks from the "
+                            f"suite's median {m[c]:g} (q1 {lo[c]:g}, q99 {hi[c]:g}): a corrupt value or another unit")
 
 
 def compute_stats(states, actions, min_std=1e-2):
@@ -342,27 +317,20 @@ def _encode_file(path, encode_fn, batch_size, progress, alloc=lambda *shape: np.
 
 def remove_stale_tmp(paths):
     """Delete the temporary files and folders <name>.tmp<pid> among `paths` whose writer no longer runs (a kill
-    mid-write leaves them); those of running processes are kept."""
+    mid-write leaves them); those of running processes, another user's included, are kept."""
     for p in paths:
         m = re.fullmatch(r".*\.tmp(\d+)", p.name)
-        if m and not pid_alive(int(m[1])):
+        if not m or os.name != "posix":  # os.kill(pid, 0) checks without sending on POSIX only (Windows: ends it)
+            continue
+        try:
+            os.kill(int(m[1]), 0)
+        except ProcessLookupError:  # its writer was killed
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
-
-
-def pid_alive(pid):
-    """Whether process `pid` runs on this machine (POSIX signal 0 checks without sending; elsewhere assumed)."""
-    if os.name != "posix":  # Windows' os.kill would end the process
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
+        except PermissionError:  # another user's process
+            pass
 
 
 def _write_entry(path, ident, entry, encode_fn, batch_size, progress):
@@ -733,15 +701,17 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
     if not 0 <= seed < 2 ** 32:
         raise DataError(f"--seed must be in [0, 2**32), got {seed}")
     sizes = "".join(f" --{k} {v}" for k, v in (("episodes", n_episodes), ("img-size", img_size)) if v is not None)
-    missing = []
-    for task in tasks or list(MEMORY_TASKS):
-        ti = list(MEMORY_TASKS).index(task)  # seeds do not depend on which subset is generated
-        path = Path(data_root) / MEMORY_SUITE / f"{task}_demo.hdf5"
+    paths = {t: Path(data_root) / MEMORY_SUITE / f"{t}_demo.hdf5" for t in tasks or MEMORY_TASKS}
+    missing = [p.name for p in paths.values() if not p.exists()]
+    if missing and not write:  # train.py writes into its default --data only: a folder the user names may be a copy
+        raise DataError(f"{Path(data_root) / MEMORY_SUITE} lacks {', '.join(missing)}; write them with `python "
+                        f"data.py --suite memory --out {data_root}{sizes}` (train.py generates the embedded suite "
+                        f"into its default --data {DEFAULT_DATA_ROOT} only)")
+    for task, path in paths.items():
         if path.exists() and not overwrite:
             with open_demo_file(path) as f:
                 _demo_names(f, path)  # a file without a 'data' group or demos is named as such, not as outdated
-                with _h5_errors(f"{path}: data.attrs"):
-                    have = dict(f["data"].attrs)
+                have = dict(f["data"].attrs)
             want = {"suite_version": MEMORY_SUITE_VERSION, "img_size": img_size, "num_demos": n_episodes}
             diff = [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
                     if w is not None and have.get(k) != w]
@@ -749,14 +719,10 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
                 raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite memory --out "
                                 f"{data_root} --overwrite{sizes}` or use another data root")
             continue
-        if not write:
-            missing.append(path.name)
-            continue
-        size = 64 if img_size is None else img_size
-        env = MemoryEnv(task, img_size=size)
+        size = img_size or 64
+        env, ti = MemoryEnv(task, size), list(MEMORY_TASKS).index(task)  # ti: seeds do not depend on the subset
         k, eps = env.p.get("k", 1), []  # cue tasks: K consecutive demos share a layout, each with its own cue
-        for i in tqdm(range(MEMORY_EPISODES if n_episodes is None else n_episodes), desc=f"memory/{task}",
-                      disable=not progress, leave=False):
+        for i in tqdm(range(n_episodes or MEMORY_EPISODES), desc=f"memory/{task}", disable=not progress, leave=False):
             layout, cue = [seed, ti, i // k], (i % k if env.family == "cue" else None)
             ep = rollout_expert(env, seed=layout, cue=cue)
             if not ep["success"]:
@@ -765,10 +731,6 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
         write_demo_file(path, env.instruction, eps, env_name=f"MemoryEnv/{task}",
                         attrs={"img_size": size, "seed": seed, "suite_version": MEMORY_SUITE_VERSION,
                                "memoryless_ceiling": MEMORYLESS_CEILING[task], "max_steps": env.max_steps})
-    if missing:  # train.py writes into its default --data only: a folder the user names may be a copy to keep
-        raise DataError(f"{Path(data_root) / MEMORY_SUITE} lacks {', '.join(missing)}; write them with `python "
-                        f"data.py --suite memory --out {data_root}{sizes}` (train.py generates the embedded suite "
-                        f"into its default --data {DEFAULT_DATA_ROOT} only)")
 
 
 def parser():

@@ -77,6 +77,9 @@ class HostConfig:
     write_source: str = "hidden"  # native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
     query_slots: int = 8  # M learned query slots
+    pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
+    key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to
+    prefix_gate: bool = False  # ablation only: the prefix in its own softmax behind a zero-initialised gate
 
     def __post_init__(self):
         for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
@@ -400,24 +403,25 @@ class DiTHost(Host):
 # ---- Separate-source pattern: the pi0.5-style host ---------------------------------------------------------------
 
 def rope(x, pos):
-    """Rotary position embedding (half-split form). x [B, h, n, dh], pos [n] (float) -> rotated x."""
+    """Rotary position embedding (half-split form). x [B, h, n, dh], pos [n] -> rotated x. Position -1 is the
+    memory prefix's reserved index: those keys are left unrotated, so every query sees them at the same phase."""
     dh = x.shape[-1]
     freqs = 1.0 / (10000.0 ** (torch.arange(0, dh // 2, device=x.device, dtype=torch.float32) / (dh // 2)))
-    ang = pos.float()[:, None] * freqs[None]  # [n, dh/2]
+    ang = pos.float().clamp(min=0)[:, None] * freqs[None]  # [n, dh/2]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., : dh // 2], x[..., dh // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
 class ExpertLayer(nn.Module):
-    """Action-expert layer l (pi0-style): its tokens attend to backbone layer l's native keys/values plus their own,
-    plus the memory prefix of memory layer l. The prefix gets its own softmax, added through a zero-initialised gate
-    per head (LLaMA-Adapter): a zero prefix in the joint softmax would still take probability mass from the host's
-    keys; this form is an exact no-op at initialisation and learns how much history to let in."""
+    """Action-expert layer l (pi0-style): its tokens attend, in one softmax, to the memory prefix of memory layer l
+    (reserved RoPE index -1: keys unrotated), backbone layer l's native keys/values (positions 0 .. m-1) and their
+    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: the expert reads a frozen backbone's keys
+    as they come, and a randomly initialised tower's are ~4x too small for a softmax to single out a patch."""
 
-    def __init__(self, d, n_heads, memory):
+    def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False):
         super().__init__()
-        self.h = n_heads
+        self.h, self.key_norm = n_heads, key_norm
         self.norm1 = AdaLN(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.o = nn.Linear(d, d)
@@ -425,23 +429,36 @@ class ExpertLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         if memory:
             self.pre_k, self.pre_v = nn.Linear(d, d), nn.Linear(d, d)  # readout -> prefix keys / values
-            self.gate = nn.Parameter(torch.zeros(n_heads))
+            # ablation: the prefix in a separate softmax behind a zero-initialised gate per head (LLaMA-Adapter)
+            self.gate = nn.Parameter(torch.zeros(n_heads)) if prefix_gate else None
+
+    def keys(self, x, kv_l, prefix):
+        """-> q [B, h, n, dh], keys and values [B, h, M + m + n, dh] and the keys' RoPE positions [M + m + n]."""
+        B, n, d = x.shape
+        heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, *, d/h]
+        q, k, v = (heads(z) for z in self.qkv(x).chunk(3, -1))
+        kb, vb = heads(kv_l[:, 0].to(x.dtype)), heads(kv_l[:, 1].to(x.dtype))  # [B, h, m, d/h]
+        m, M = kb.shape[2], 0 if prefix is None or self.gate is not None else prefix.shape[1]
+        k, v = torch.cat([kb, k], 2), torch.cat([vb, v], 2)  # [B, h, m + n, d/h]
+        if M:
+            k = torch.cat([heads(self.pre_k(prefix)), k], 2)  # [B, h, M + m + n, d/h]
+            v = torch.cat([heads(self.pre_v(prefix)), v], 2)
+        if self.key_norm:
+            k = F.rms_norm(k, (k.shape[-1],))
+        pos = torch.cat([torch.full((M,), -1, device=x.device), torch.arange(m + n, device=x.device)])
+        return rope(q, pos[M + m :]), rope(k, pos), v, pos
 
     def forward(self, x, temb, kv_l, prefix):
         """x [B, n, d] own tokens, kv_l [B, 2, m, d] backbone layer-l native (pre-RoPE) keys/values,
         prefix [B, M, d] fused query-slot readout or None."""
         B, n, d = x.shape
-        m = kv_l.shape[2]
-        heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, *, d/h]
-        q, k, v = (heads(z) for z in self.qkv(self.norm1(x, temb)).chunk(3, -1))
-        pos_host = torch.arange(m, device=x.device)  # backbone tokens keep positions 0 .. m-1
-        pos_own = torch.arange(m, m + n, device=x.device)  # the expert's tokens follow them
-        kb, vb = heads(kv_l[:, 0].to(x.dtype)), heads(kv_l[:, 1].to(x.dtype))  # [B, h, m, d/h]
-        k_all = torch.cat([rope(kb, pos_host), rope(k, pos_own)], 2)  # [B, h, m + n, d/h]
-        q = rope(q, pos_own)
-        o = F.scaled_dot_product_attention(q, k_all, torch.cat([vb, v], 2))  # [B, h, n, d/h]
-        if prefix is not None:  # memory slots: reserved position -1 => their keys are not rotated
-            k_pre, v_pre = heads(self.pre_k(prefix)), heads(self.pre_v(prefix))  # [B, h, M, d/h]
+        q, k, v, _ = self.keys(self.norm1(x, temb), kv_l, prefix)
+        o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
+        if prefix is not None and self.gate is not None:
+            heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, M, d/h]
+            k_pre, v_pre = heads(self.pre_k(prefix)), heads(self.pre_v(prefix))
+            if self.key_norm:
+                k_pre = F.rms_norm(k_pre, (k_pre.shape[-1],))
             o = o + self.gate.view(1, -1, 1, 1).to(o.dtype) * F.scaled_dot_product_attention(q, k_pre, v_pre)
         x = x + self.o(o.transpose(1, 2).reshape(B, n, d))
         return x + self.mlp(self.norm2(x))
@@ -456,7 +473,8 @@ class ExpertHead(FlowHead):
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), d)  # learned instruction embedding
         self.action_in = nn.Linear(cfg.action_dim, d)
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
-        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory) for _ in range(cfg.vla_layers)])
+        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.prefix_gate)
+                                     for _ in range(cfg.vla_layers)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
         self.d = d
 
@@ -495,6 +513,18 @@ class VLAHost(Host):
             n_mem = cfg.mem_depth if cfg.write_source == "last_hidden" else cfg.vla_layers
             self.memory = nn.ModuleList([DRAMLayer(mc) for _ in range(n_mem)])
         self.head = ExpertHead(cfg, D, nh, cfg.memory == "dram")
+        # Fixed position + camera code added to the patch tokens before the frozen blocks: RoPE in the expert shapes
+        # where it attends, not what a token carries, and a randomly initialised tower's own position embedding is
+        # ~0.3 % of the token power, so without it neither the native values nor the hidden tokens (the memory's
+        # write sources) say where a block is. Scaled to the patch embeddings' size (RMS 0.36 in vit_tiny). Fixed,
+        # not learned: the features stay a pure function of the observation and can be cached.
+        n_cam = len(cfg.cameras)
+        with torch.no_grad():
+            P = self.tower.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]
+        ang = torch.arange(n_cam, dtype=torch.float32)[:, None] / (100.0 ** (torch.arange(D // 2) / (D // 2)))
+        cam = torch.cat([ang.sin(), ang.cos()], 1)  # [n_cam, D] 1-D sin-cos code of the camera index
+        code = 0.5 * (sincos_2d(P, D)[None] + cam[:, None]) if cfg.pos_code else torch.zeros(n_cam, P, D)
+        self.register_buffer("pos_code", code, persistent=False)  # [n_cam, P, D]
         # frozen 'language model' embedding: a fixed pseudo-random vector per instruction string (seeded by its hash,
         # not by the vocabulary's order), so the frozen features stay a pure function of (observation, instruction)
         seeds = [int(hashlib.sha1(s.encode()).hexdigest()[:12], 16) for s in cfg.vocab]
@@ -508,7 +538,8 @@ class VLAHost(Host):
         vit = self.tower.model
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         p = vit._pos_embed(vit.patch_embed(self.tower.preprocess(x)))[:, vit.num_prefix_tokens :]  # [B n_cam, P, D]
-        B = p.shape[0] // len(self.cfg.cameras)
+        p = p.unflatten(0, (-1, len(self.cfg.cameras))) + self.pos_code  # [B, n_cam, P, D]
+        B = p.shape[0]
         text = self.text_table[instr.to(self.text_table.device)]  # [B, D] the instructions' frozen text tokens
         h = torch.cat([text[:, None].to(p.dtype), p.reshape(B, -1, self.D)], 1)  # [B, n, D]
         h = vit.norm_pre(h)  # as timm's forward_features before the blocks (a LayerNorm in CLIP-style towers)

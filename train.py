@@ -31,6 +31,10 @@ from hosts import nonfinite, read_checkpoint, save_checkpoint, trainable_state
 
 # the embedded memory suite on 2 CPU cores in under 10 minutes (one memory layer there: more steps in that budget)
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
+# the vla host's defaults: expert depth = backbone depth 4; one memory stack (--mem-depth) over the last hidden
+# tokens, a quarter of the memory cost of four layer-aligned stacks
+VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
+VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "prefix_gate")  # flags of the vla host alone
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -47,8 +51,8 @@ def parser():
     p.add_argument("--host", default="dit", choices=["dit", "vla"], help="integration pattern: shared (dit) or "
                    "separate (vla) source")
     p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
-    p.add_argument("--write-source", default="hidden", choices=["native_kv", "hidden", "last_hidden"],
-                   help="vla host: what the memory layers write")
+    p.add_argument("--write-source", default=None, choices=["native_kv", "hidden", "last_hidden"],
+                   help=f"vla host: what the memory layers write (default: {VLA_WRITE_SOURCE})")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
@@ -78,7 +82,15 @@ def parser():
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
     p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
     p.add_argument("--head-blocks", type=int, default=4, help="DiT blocks (alternating cross / self attention)")
-    p.add_argument("--vla-layers", type=int, default=4, help="backbone layers used by the vla host")
+    p.add_argument("--vla-layers", type=int, default=None, help=f"backbone layers used by the vla host (default: "
+                   f"{VLA_LAYERS})")
+    p.add_argument("--pos-code", action=argparse.BooleanOptionalAction, default=None, help="vla host: fixed "
+                   "position + camera code on the patch tokens before the frozen blocks (default: on without "
+                   "--pretrained, whose tower embeds position itself)")
+    p.add_argument("--key-norm", action=argparse.BooleanOptionalAction, default=None, help="vla host: RMS-normalise "
+                   "the keys the action expert attends to, per head (default: on)")
+    p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix in its own "
+                   "softmax behind a zero-initialised gate instead of the expert's joint softmax (default: off)")
     p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
     p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
     p.add_argument("--out", default=None, help="run directory (default: runs/<host>-<memory>-<suite>)")
@@ -116,6 +128,15 @@ def get_args(argv=None):
             p.error(f"--device {a.device}: {e}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
+    if a.host == "dit":  # options of the separate-source pattern mean nothing to the shared-source host
+        given = [k for k in VLA_ONLY if getattr(a, k) is not None]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
+                    f"writes its frame tokens")
+    a.write_source = a.write_source or VLA_WRITE_SOURCE
+    a.key_norm = a.key_norm is not False
+    a.prefix_gate = bool(a.prefix_gate)
+    a.vla_layers = a.vla_layers or VLA_LAYERS
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
@@ -126,6 +147,7 @@ def get_args(argv=None):
     a.image_size = a.image_size or (128 if lib else 64)
     a.pretrained = lib if a.pretrained is None else a.pretrained
     a.mem_depth = a.mem_depth or (2 if lib else 1)
+    a.pos_code = not a.pretrained if a.pos_code is None else a.pos_code
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
     if Path(a.out).exists() and not Path(a.out).is_dir():
         p.error(f"--out {a.out} is a file, not a folder")
@@ -243,22 +265,23 @@ def scan(files):
     is encoded: every demo's shapes and dtypes, actions and states validated (data.check_values over all of them),
     no pixels read. The frame size goes into the checkpoint: eval.py renders the simulator at the size the policy
     was trained on."""
-    vocab, demos, sizes = set(), [], {}
+    vocab, demos, sizes = set(), [], {}  # sizes: (H, W) -> the first demo whose camera images have it
     for f in files:
         instr, ds = data.iter_demo_file(f, images=False)
         vocab.add(instr)
-        demos += [(f"{f}: data/{d.name}", d.state, d.actions) for d in ds]
-        sizes.setdefault(data.frame_size(f), f)
+        for d in ds:
+            demos.append((f"{f}: data/{d.name}", d.state, d.actions))
+            sizes.setdefault(d.frame_hw, demos[-1][0])
     if len(sizes) > 1:
-        raise data.DataError(f"the demo files' camera images differ in size: {sizes}")
+        raise data.DataError(f"the demos' camera images differ in size: {sizes}")
     data.check_values(demos)  # also: one action width
     return sorted(vocab), demos[0][2].shape[1], next(iter(sizes))
 
 
 def feature_cache_key(host):
     """Everything the cached features depend on: tower, image size, tower weights, and for the vla host the number of
-    backbone layers whose keys, values and hidden states it stores."""
-    extra = dict(layers=host.cfg.vla_layers) if host.cfg.host == "vla" else {}
+    backbone layers whose keys, values and hidden states it stores and whether the position code joins the tokens."""
+    extra = dict(layers=host.cfg.vla_layers, pos=int(host.cfg.pos_code)) if host.cfg.host == "vla" else {}
     return data.cache_key_for(host.cfg.vision, host.cfg.image_size, host=host.cfg.host, tower=host.tower.fingerprint(),
                               **extra)
 
@@ -349,7 +372,8 @@ def run(argv=None):
                      weights_file=a.weights_file, image_size=a.image_size, action_dim=Da, chunk=a.chunk,
                      vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
                      mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
-                     head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps)
+                     head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps,
+                     pos_code=a.pos_code, key_norm=a.key_norm, prefix_gate=a.prefix_gate)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
