@@ -438,7 +438,7 @@ class ExpertLayer(nn.Module):
         heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, *, d/h]
         q, k, v = (heads(z) for z in self.qkv(x).chunk(3, -1))
         kb, vb = heads(kv_l[:, 0].to(x.dtype)), heads(kv_l[:, 1].to(x.dtype))  # [B, h, m, d/h]
-        m, M = kb.shape[2], 0 if prefix is None or self.gate is not None else prefix.shape[1]
+        m, M = kb.shape[2], 0 if prefix is None else prefix.shape[1]
         k, v = torch.cat([kb, k], 2), torch.cat([vb, v], 2)  # [B, h, m + n, d/h]
         if M:
             k = torch.cat([heads(self.pre_k(prefix)), k], 2)  # [B, h, M + m + n, d/h]
@@ -453,13 +453,12 @@ class ExpertLayer(nn.Module):
         prefix [B, M, d] fused query-slot readout or None."""
         B, n, d = x.shape
         q, k, v, _ = self.keys(self.norm1(x, temb), kv_l, prefix)
-        o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
-        if prefix is not None and self.gate is not None:
-            heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, M, d/h]
-            k_pre, v_pre = heads(self.pre_k(prefix)), heads(self.pre_v(prefix))
-            if self.key_norm:
-                k_pre = F.rms_norm(k_pre, (k_pre.shape[-1],))
-            o = o + self.gate.view(1, -1, 1, 1).to(o.dtype) * F.scaled_dot_product_attention(q, k_pre, v_pre)
+        if prefix is None or self.gate is None:
+            o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
+        else:  # ablation: host keys in one softmax, the M prefix keys in another, added through the gate
+            M = prefix.shape[1]
+            o = F.scaled_dot_product_attention(q, k[:, :, M:], v[:, :, M:]) + self.gate.view(1, -1, 1, 1).to(
+                q.dtype) * F.scaled_dot_product_attention(q, k[:, :, :M], v[:, :, :M])  # [B, h, n, d/h]
         x = x + self.o(o.transpose(1, 2).reshape(B, n, d))
         return x + self.mlp(self.norm2(x))
 
