@@ -11,8 +11,7 @@ What DRAM costs against what a user would run instead, each timed beside its bas
   2  one control step of the DiT host (B = 1): DRAM from its state after t = 1000 frames against t = 1 (the cost of
      a step does not grow with the episode), and a k-frame context (no memory; the head cross-attends to the last
      k frames' tokens; k = 1 is the memoryless host) against DRAM. On CUDA also replayed as CUDA graphs.
-  3  a training step as train.py runs it (train.train_step on cached features): time per frame with DRAM against
-     the memoryless host.
+  3  a training step as train.py runs it (train.train_step on cached features), per frame: DRAM against memoryless.
 Sizes of parts 2-3: libero = train.py's LIBERO host (vit_small at 128 px: 129 tokens x 384); gr00t = a head of
 GR00T N1.5's size (16 blocks, width 1536) on 393 tokens x 2048. Each ratio is the median of per-round ratios over
 interleaved rounds, so a load change on a shared machine hits both sides alike; absolute times are this machine's.
@@ -23,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,6 @@ from hosts import HostConfig, make_host
 import train
 
 # ---- Timing and tables -------------------------------------------------------------------------------------------
-
 def timeit(fns, args):
     """Times every fn of {name: fn} interleaved: rounds of one block of calls of every fn (the order rotated per
     round), a block lasting about run_time / rounds s. -> {name: [s per call, one per round]}."""
@@ -72,20 +71,17 @@ def ms(per, name, div=1):
 
 
 def table(title, headers, rows, note=""):
-    """A markdown section: the title, a note, the table."""
     lines = [f"### {title}", ""] + ([note, ""] if note else [])
     lines += ["| " + " | ".join(headers) + " |", "|---" * len(headers) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]) + "\n"
 
 
 def machine(device):
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}" if device.type == "cuda" else
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads")
 
 
 # ---- Part 1: joint_write against autograd through the same solve -------------------------------------------------
-
 def make_frame(P, N, dk, dv, device, seed=0):
     """One frame's inputs for P = batch x heads: unit keys, write weights as DRAMLayer makes them, gamma in (0.9, 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -93,8 +89,7 @@ def make_frame(P, N, dk, dv, device, seed=0):
     K = F.normalize(torch.randn(P, N, dk, generator=g), dim=-1)  # [P, N, dk] unit rows
     V = torch.randn(P, N, dv, generator=g)
     w = write_weights(torch.sigmoid(torch.randn(P, N, generator=g)))  # eq. (write-gate), beta in (0, 1)
-    gamma = 0.9 + 0.1 * torch.rand(P, generator=g)
-    return [x.to(device) for x in (S, K, V, w, gamma)]
+    return [x.to(device) for x in (S, K, V, w, 0.9 + 0.1 * torch.rand(P, generator=g))]  # ..., gamma [P]
 
 
 def _system(S, K, V, w, gamma):
@@ -138,7 +133,6 @@ def part1(args):
 
 
 # ---- The DiT host at the sizes of parts 2-3 ----------------------------------------------------------------------
-
 HOST_SIZES = {
     "libero": dict(vision="vit_small_patch16_224.dino", image_size=128, chunk=train.LIBERO_CHUNK),
     # GR00T N1.5's FlowmatchingActionHead: 16 blocks alternating cross / self attention, 32 heads x 48 = 1536,
@@ -153,19 +147,12 @@ def make_dit(size, memory, device):
     return make_host("dit", HostConfig(memory=memory, vocab=("bench",), **HOST_SIZES[size])).to(device)
 
 
-def patch_tokens(host):
-    """n_cam P: the patch tokens of one frame, all cameras."""
-    return len(host.cfg.cameras) * host.patch_pos.shape[0]
-
-
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
-
 class KFrameContext(nn.Module):
-    """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the tokens of the
-    last k frames. A ring buffer keeps the k latest frames' encoded tokens (the tower runs once per frame, as for
-    DRAM); a learned embedding per frame age (0 = current) tells the frames apart; the instruction token comes once.
-    Built on a memory="none" host, whose camera, patch-position and instruction embeddings and head it uses: at
-    k = 1 with a zero age embedding it conditions the head exactly as that host does."""
+    """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the last k frames'
+    tokens, kept in a ring buffer (the tower runs once per frame, as for DRAM) and told apart by a learned embedding
+    per frame age (0 = current); the instruction token comes once. Built on a memory="none" host, whose embeddings and
+    head it uses: at k = 1 with a zero age embedding it conditions the head exactly as that host does."""
 
     def __init__(self, host, k):
         super().__init__()
@@ -180,8 +167,7 @@ class KFrameContext(nn.Module):
     def step(self, feats, instr, buf, t):
         """Control step t (0-based): frame t into slot t mod k (in place), then the head's tokens.
         feats [B, n_cam P, D] -> {"tokens": [B, k n_cam P + 1, D]} (all k slots, as once the buffer is full)."""
-        B, NP, D = feats.shape
-        n_cam, slot = len(self.host.cfg.cameras), t % self.k
+        (B, NP, D), n_cam, slot = feats.shape, len(self.host.cfg.cameras), t % self.k
         buf[:, slot] = feats
         age = (slot - torch.arange(self.k, device=feats.device)) % self.k  # [k] age of each slot's frame
         x = buf.view(B, self.k, n_cam, NP // n_cam, D) + self.host.cam_embed + self.host.patch_pos  # [B,k,n_cam,P,D]
@@ -199,7 +185,7 @@ def part2(args):
     for size in args.sizes:
         torch.manual_seed(0)
         host, base = make_dit(size, "dram", device).eval(), make_dit(size, "none", device).eval()
-        cfg, NP, D = host.cfg, patch_tokens(host), host.tower.width
+        cfg, NP, D = host.cfg, len(host.cfg.cameras) * host.tower.n_patches, host.tower.width  # NP: n_cam P
         instr = torch.zeros(1, dtype=torch.long, device=device)
         svec, noise = rand(1, cfg.state_dim), rand(1, cfg.chunk, cfg.action_dim)  # [1, Ds], [1, C, Da]
         feats, pool = rand(1, NP, D), rand(16, 1, NP, D)  # the timed step's frame; frames that advance the memory
@@ -237,14 +223,13 @@ def part2(args):
 
 
 # ---- Part 3: training time per frame, DRAM against the memoryless host -------------------------------------------
-
 def make_train_step(host, B, T, g):
     """One train.train_step on B streams x T frames of cached features (random tensors of the tower's output shape),
     with train.py's optimizer and clip at their defaults and a memory state carried over from a previous window."""
     cfg, dev, p = host.cfg, host.patch_pos.device, train.parser()
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dev)
     ones = lambda *shape: torch.ones(*shape, dtype=torch.bool, device=dev)
-    batch = dict(tokens=rand(B, T, patch_tokens(host), host.tower.width),  # [B, T, NP, D]
+    batch = dict(tokens=rand(B, T, len(cfg.cameras) * host.tower.n_patches, host.tower.width),  # [B, T, n_cam P, D]
                  instr=torch.zeros(B, dtype=torch.long, device=dev),  # [B]
                  state=rand(B, T, cfg.state_dim),  # [B, T, Ds]
                  actions=rand(B, T, cfg.chunk, cfg.action_dim),  # [B, T, C, Da]
@@ -255,8 +240,7 @@ def make_train_step(host, B, T, g):
 
 
 def part3(args):
-    g = torch.Generator().manual_seed(0)
-    rows, headline = [], []
+    g, rows, headline = torch.Generator().manual_seed(0), [], []
     for size in args.sizes:
         # B streams x T frames: both sides' cost is linear in B T and x is per frame, so fewer on the CPU
         B, T = (8, 16) if args.device.type == "cuda" else (1, 2) if size == "gr00t" else (4, 8)
@@ -272,7 +256,6 @@ def part3(args):
 
 
 # ---- Command line ------------------------------------------------------------------------------------------------
-
 PARTS = {1: part1, 2: part2, 3: part3}
 
 
@@ -280,10 +263,8 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: %(default)s)")
     p.add_argument("--parts", nargs="+", type=int, choices=list(PARTS), default=list(PARTS), help="(default: 1 2 3)")
-    p.add_argument("--sizes", nargs="+", choices=list(HOST_SIZES),
-                   help="host sizes of parts 2-3 (default: libero on cpu, libero gr00t on cuda)")
-    p.add_argument("--quick", action="store_true",
-                   help="part 1 at P = 32 only, part 2 at k = 1, 8 only; shorter timings (default: off)")
+    p.add_argument("--sizes", nargs="+", choices=list(HOST_SIZES), help="parts 2-3 (default: libero; cuda: + gr00t)")
+    p.add_argument("--quick", action="store_true", help="part 1 at P = 32, part 2 at k = 1, 8; shorter (default: off)")
     p.add_argument("--out", help="folder to write bench.md into (default: none, print only)")
     return p
 
@@ -309,9 +290,8 @@ def main(argv=None):
     about = f"{machine(args.device)}, torch {torch.__version__}, {time.perf_counter() - t0:.0f} s; `{command}`"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench.md"), "w") as f:
-            f.write(f"## DRAM benchmark\n\n{about}\n\n{head}\n" + "\n".join(sections))
-        print(f"wrote {os.path.join(args.out, 'bench.md')}")
+        Path(args.out, "bench.md").write_text(f"## DRAM benchmark\n\n{about}\n\n{head}\n" + "\n".join(sections))
+        print(f"wrote {Path(args.out, 'bench.md')}")
     print(f"\n{about}\n\n{head}")
 
 

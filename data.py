@@ -32,8 +32,7 @@ DEMO_KEYS = {"actions": (None, "T Da"), "obs/ee_states": (None, "T 6"), "obs/gri
              **{f"obs/{c}": (np.uint8, "T H W 3") for c in CAMERAS}}
 MEMORY_SUITE = "memory"
 SUITES = (MEMORY_SUITE, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
-DEFAULT_DATA_ROOT = "data"
-DEFAULT_CACHE_DIR = "data_cache"
+DEFAULT_DATA_ROOT, DEFAULT_CACHE_DIR = "data", "data_cache"
 
 
 class DataError(ValueError):
@@ -48,7 +47,6 @@ def policy_frame(obs, images=True):
 
 
 # ---- Demo files in LIBERO's layout (the embedded suite writes the same layout) -------------------------------------
-
 @dataclasses.dataclass
 class Demo:
     name: str  # "demo_<i>"
@@ -59,17 +57,15 @@ class Demo:
 
 
 def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
-    """Sorted `<data_root>/<suite>/*_demo.hdf5`. The memory suite's missing files are generated first
-    (generate_memory_suite(**memory_kwargs)) if generate, by default (None) only into DEFAULT_DATA_ROOT: a folder
-    the user names is only read, and a missing task file is an error naming the command that writes it. A missing
-    LIBERO folder is an error that says how to download it."""
+    """Sorted `<data_root>/<suite>/*_demo.hdf5`. Missing memory-suite files are generated first (**memory_kwargs) if
+    generate, by default only into DEFAULT_DATA_ROOT: a folder the user names is only read. A missing file or LIBERO
+    folder is an error naming the command that writes or downloads it."""
     if suite == MEMORY_SUITE:
         if generate is None:
             generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
         generate_memory_suite(data_root, write=generate, **memory_kwargs)
     folder = Path(data_root) / suite
-    files = sorted(folder.glob("*_demo.hdf5"))
-    if not files:
+    if not (files := sorted(folder.glob("*_demo.hdf5"))):
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
         what = "holds no *_demo.hdf5 files" if folder.is_dir() else "does not exist"
         raise DataError(f"data directory {folder} {what}. Get it with LIBERO's `python benchmark_scripts/"
@@ -92,13 +88,6 @@ def _h5_errors(where):
                         "generate it again") from e
 
 
-@contextlib.contextmanager
-def open_demo_file(path):
-    """The demo file, open read-only; every h5py error inside names the file (the readers below also name the key)."""
-    with _h5_errors(path), h5py.File(path, "r") as f:
-        yield f
-
-
 def _instruction(f, path):
     info = f["data"].attrs.get("problem_info")
     if info is None:  # LIVING_ROOM_SCENE2_put_the_bowl_demo.hdf5 -> 'put the bowl'
@@ -119,35 +108,27 @@ def _instruction(f, path):
 def _demo_names(f, path):
     if not isinstance(f.get("data"), h5py.Group):
         raise DataError(f"{path}: no 'data' group (keys: {list(f.keys())}); not a LIBERO-layout demo file")
-    names = [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]
-    if not names:
+    if not (names := [k for k, g in f["data"].items() if re.fullmatch(r"demo_\d+", k) and isinstance(g, h5py.Group)]):
         raise DataError(f"{path}: 'data' holds no demo_<i> groups (keys: {list(f['data'].keys())[:10]})")
-    other = [k for k in f["data"].keys() if k not in names]
-    if other:
+    if other := [k for k in f["data"].keys() if k not in names]:
         warnings.warn(f"{path}: data/{other[:10]} are not demo_<i> groups and are not read")
     return sorted(names, key=lambda k: int(k.split("_")[1]))  # numeric: demo_2 before demo_10
 
 
-def _dataset(f, path, name, key):
-    """f['data/<name>/<key>'] checked against DEMO_KEYS without reading it; else a DataError naming it."""
-    where = f"{path}: data/{name}/{key}"
-    with _h5_errors(where):
-        ds = f["data"][name].get(key)
-        if not isinstance(ds, h5py.Dataset):
-            raise DataError(f"{where} is missing" + ("" if ds is None else " (a group, not an array)"))
-        dtype, dims = DEMO_KEYS[key][0], DEMO_KEYS[key][1].split()
-        if (ds.ndim != len(dims) or (dtype is not None and ds.dtype != dtype)
-                or any(n != int(d) if d.isdigit() else n == 0 for n, d in zip(ds.shape, dims))):
-            raise DataError(f"{where} must be {np.dtype(dtype).name if dtype else 'numbers'} [{', '.join(dims)}] "
-                            f"(named sizes >= 1), got {ds.dtype} {ds.shape}")
-    return ds
-
-
 def _read_demo(f, path, name, images=True):
-    """Validated Demo from an open file; every problem is a DataError naming file, demo and key. Every key's dtype
-    and shape, the cameras' too, is checked from its header before any array is read, so that images=False (as in
-    train.scan, before any frame is encoded) checks all but the pixel values."""
-    where, ds = f"{path}: data/{name}", {k: _dataset(f, path, name, k) for k in DEMO_KEYS}
+    """Validated Demo; every problem is a DataError naming file, demo and key. All dtypes and shapes are checked from
+    the headers before any array is read: images=False (train.scan, before encoding) checks all but the pixels."""
+    where, ds = f"{path}: data/{name}", {}
+    for k, (dtype, dims) in DEMO_KEYS.items():  # each checked against DEMO_KEYS from its header, nothing read yet
+        with _h5_errors(f"{where}/{k}"):
+            ds[k] = d = f["data"][name].get(k)
+            if not isinstance(d, h5py.Dataset):
+                raise DataError(f"{where}/{k} is missing" + ("" if d is None else " (a group, not an array)"))
+            dims = dims.split()
+            if (d.ndim != len(dims) or (dtype is not None and d.dtype != dtype)
+                    or any(n != int(x) if x.isdigit() else n == 0 for n, x in zip(d.shape, dims))):
+                raise DataError(f"{where}/{k} must be {np.dtype(dtype).name if dtype else 'numbers'} "
+                                f"[{', '.join(dims)}] (named sizes >= 1), got {d.dtype} {d.shape}")
     shapes = {k: d.shape for k, d in ds.items()}
     if len({s[0] for s in shapes.values()}) > 1 or len({s[:3] for s in shapes.values() if len(s) == 4}) > 1:
         raise DataError(f"{where}: its arrays must share T, its cameras H and W (the tower encodes all cameras of "
@@ -168,11 +149,11 @@ def _read_demo(f, path, name, images=True):
 
 def iter_demo_file(path, images=True):
     """(instruction, generator of Demo): one demo at a time in memory (a LIBERO file holds ~1 GB of pixels)."""
-    with open_demo_file(path) as f:
+    with _h5_errors(path), h5py.File(path, "r") as f:
         names, instruction = _demo_names(f, path), _instruction(f, path)
 
     def gen():
-        with open_demo_file(path) as f:
+        with _h5_errors(path), h5py.File(path, "r") as f:
             for n in names:
                 yield _read_demo(f, path, n, images)
     return instruction, gen()
@@ -185,9 +166,8 @@ def read_demo_file(path, images=True):
 
 
 def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
-    """Write episodes in LIBERO's layout, atomically. episodes: dicts of raw (upside-down) obs stacks
-    agentview_rgb / eye_in_hand_rgb uint8 [T,H,W,3], ee_states [T,6], gripper_states [T,2], actions [T,Da] and
-    success. Images are lzf-compressed (flat-colour renders shrink ~20x)."""
+    """Write episodes (dicts of raw, upside-down agentview_rgb / eye_in_hand_rgb uint8 [T,H,W,3], ee_states [T,6],
+    gripper_states [T,2], actions [T,Da], success) in LIBERO's layout, atomically; lzf images shrink ~20x."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -196,8 +176,7 @@ def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
         d.attrs.update(problem_info=json.dumps({"language_instruction": instruction}), env_name=env_name,
                        macros_image_convention="opengl", **(attrs or {}))
         for i, ep in enumerate(episodes):
-            g = d.create_group(f"demo_{i}")
-            T = len(ep["actions"])
+            g, T = d.create_group(f"demo_{i}"), len(ep["actions"])
             g.attrs["num_samples"] = T
             g.create_dataset("actions", data=np.asarray(ep["actions"], np.float64))  # [T, Da]
             for c in CAMERAS:
@@ -214,21 +193,19 @@ def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
 
 
 # ---- Normalisation statistics (saved with the checkpoint; eval un-normalises actions with the same numbers) --------
-
 OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie from its dimension's median
 
 
 def check_values(demos):
     """Refuse finite but absurd values before they set the statistics (one action of 1e30 made its dimension's std
-    7e27) with a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>",
-    state [T,8], actions [T,Da])], all of the suite. Rules that no legitimate demo breaks:
-    - every action lies in [-1, 1]: LIBERO's are OSC_POSE deltas and a gripper command in [-1, 1] (LIBERO's
-      create_dataset.py); the embedded env clips actions to [-1, 1] and its expert stays inside.
-    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over all frames
-      of the suite. The quantiles leave out the most extreme 1% of frames at each end (at least one frame), so a
-      few corrupt frames cannot widen their own yardstick; |m| and 1 keep it positive on constant dimensions (the
-      embedded suite's zero ee_states[2:]). States are metres, radians (axis-angle, |.| <= pi) and gripper widths,
-      within a few units of their median: only gross errors (garbage, another unit) lie 100 yardsticks away."""
+    7e27), with a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>",
+    state [T,8], actions [T,Da])] of the whole suite. Rules no legitimate demo breaks:
+    - actions lie in [-1, 1]: LIBERO's OSC_POSE deltas and gripper command do (its create_dataset.py); the embedded
+      env clips to [-1, 1] and its expert stays inside.
+    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over the suite.
+      The quantiles drop the most extreme 1% of frames at each end, so a few corrupt frames cannot widen their own
+      yardstick; |m| and 1 keep it positive on constant dimensions (the embedded suite's zero ee_states[2:]). States
+      are metres, radians (|.| <= pi) and gripper widths: only gross errors (garbage, another unit) lie that far."""
     Da, s = demos[0][2].shape[1], np.concatenate([x for _, x, _ in demos]).astype(np.float64)  # s: [N, 8]
     m = np.median(s, 0)  # [8]
     lo, hi = np.quantile(s, 0.01, 0, method="higher"), np.quantile(s, 0.99, 0, method="lower")  # [8]
@@ -236,14 +213,12 @@ def check_values(demos):
     for where, _, a in demos:
         if a.shape[1] != Da:
             raise DataError(f"{where}/actions has {a.shape[1]} dimensions, {demos[0][0]}/actions has {Da}")
-        bad = np.argwhere(np.abs(a) > 1 + 1e-6)  # 1e-6: float rounding of a clipped action
-        if len(bad):
+        if len(bad := np.argwhere(np.abs(a) > 1 + 1e-6)):  # 1e-6: float rounding of a clipped action
             t, c = bad[0]
             raise DataError(f"{where}/actions[{t}, {c}] = {a[t, c]:g}: actions must lie in [-1, 1] (LIBERO's and "
                             f"the embedded suite's do)")
     for where, x, _ in demos:
-        bad = np.argwhere(np.abs(x - m) > span)
-        if len(bad):
+        if len(bad := np.argwhere(np.abs(x - m) > span)):
             t, c = bad[0]
             key, j = (STATE_KEYS[0], c) if c < 6 else (STATE_KEYS[1], c - 6)  # state = ee_states [6] + gripper [2]
             raise DataError(f"{where}/obs/{key}[{t}, {j}] = {x[t, c]:g} lies over {OUTLIER_SPANS} yardsticks from the "
@@ -260,7 +235,6 @@ def compute_stats(states, actions, min_std=1e-2):
 
 
 def normalize(x, stats, kind):
-    """(x - mean) / std over the last dim; kind 'state' or 'action'."""
     return (x - stats[f"{kind}_mean"]) / stats[f"{kind}_std"]
 
 
@@ -269,20 +243,13 @@ def unnormalize(x, stats, kind):
 
 
 # ---- Frozen-feature cache: the vision tower is frozen, so every frame is encoded once (float16 on disk) ------------
-
 @dataclasses.dataclass
-class Episode:
-    """One demo as training sees it."""
+class Episode:  # one demo as training sees it
     tokens: np.ndarray  # float16 [T, n_tok, D] (a lazy memmap view into the cache, or in memory)
     state: np.ndarray  # float32 [T, 8], not normalised
     actions: np.ndarray  # float32 [T, Da], not normalised
     instruction: str
     source: str  # "<file>:<demo name>"
-
-
-def cache_key_for(backbone, img_size, **extra):
-    """Backbone name + the image size the tower sees + anything else that changes the tokens."""
-    return "_".join([backbone, f"{img_size}px"] + [f"{k}={v}" for k, v in sorted(extra.items())])
 
 
 def _episodes(path, instruction, metas, state, actions, tokens):
@@ -325,10 +292,7 @@ def remove_stale_tmp(paths):
         try:
             os.kill(int(m[1]), 0)
         except ProcessLookupError:  # its writer was killed
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         except PermissionError:  # another user's process
             pass
 
@@ -343,8 +307,8 @@ def _write_entry(path, ident, entry, encode_fn, batch_size, progress):
         tokens.flush()
         np.save(tmp / "state.npy", state)
         np.save(tmp / "actions.npy", actions)
-        meta = {"instruction": instr, "demos": metas, "source": ident}
-        (tmp / "meta.json").write_text(json.dumps(meta))  # written last: its presence marks a complete entry
+        # written last: its presence marks a complete entry
+        (tmp / "meta.json").write_text(json.dumps({"instruction": instr, "demos": metas, "source": ident}))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -355,25 +319,9 @@ def _write_entry(path, ident, entry, encode_fn, batch_size, progress):
         if not (entry / "meta.json").is_file():
             raise
     for old in entry.parent.glob(f"{path.stem}-*"):  # entries of earlier versions of this source file
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError):  # (or another source file with this stem)
             if old != entry and json.loads((old / "meta.json").read_text())["source"]["path"] == ident["path"]:
                 shutil.rmtree(old)
-        except (OSError, ValueError, KeyError):  # another source file with this stem
-            pass
-
-
-def _load_entry(path, entry):
-    try:  # a complete entry damaged afterwards (disk full, a partial copy): name it rather than guess
-        meta = json.loads((entry / "meta.json").read_text())
-        tokens = np.load(entry / "tokens.npy", mmap_mode="r")  # float16 [N, n_tok, D], read lazily
-        state, actions = np.load(entry / "state.npy"), np.load(entry / "actions.npy")  # [N, 8], [N, Da]
-        n = sum(m["length"] for m in meta["demos"])
-        if not len(tokens) == len(state) == len(actions) == n:
-            raise ValueError(f"{len(tokens)} token, {len(state)} state, {len(actions)} action rows for {n} frames")
-        return _episodes(path, meta["instruction"], meta["demos"], state, actions, tokens)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"feature cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that folder and "
-                        f"{path} is encoded again") from e
 
 
 def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR, batch_size=64, use_cache=True,
@@ -397,12 +345,21 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
         entry = root / f"{p.stem}-{digest}"
         if not (entry / "meta.json").is_file():
             _write_entry(p, ident, entry, encode_fn, batch_size, progress)
-        episodes += _load_entry(p, entry)
+        try:  # a complete entry damaged afterwards (disk full, a partial copy): name it rather than guess
+            meta = json.loads((entry / "meta.json").read_text())
+            tokens = np.load(entry / "tokens.npy", mmap_mode="r")  # float16 [N, n_tok, D], read lazily
+            state, actions = np.load(entry / "state.npy"), np.load(entry / "actions.npy")  # [N, 8], [N, Da]
+            n = sum(m["length"] for m in meta["demos"])
+            if not len(tokens) == len(state) == len(actions) == n:
+                raise ValueError(f"{len(tokens)} token, {len(state)} state, {len(actions)} action rows for {n} frames")
+            episodes += _episodes(p, meta["instruction"], meta["demos"], state, actions, tokens)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"feature cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that folder and "
+                            f"{p} is encoded again") from e
     return episodes
 
 
 # ---- Training data and the streaming TBPTT sampler (Sec. 3.4, recurrent unrolling) ---------------------------------
-
 class FrameData:
     """Episodes ready for training: tokens (lazy), normalised state [T,8] and actions [T,Da], instruction ids.
     stats=None computes them from these (training) episodes; pass the checkpoint's stats when resuming."""
@@ -420,9 +377,8 @@ class FrameData:
         self.lengths = np.array([len(e.actions) for e in episodes], np.int64)
 
     def batch(self, window, device="cpu"):
-        """One StreamSampler window as tensors: tokens [B,T,n_tok,D] float32, state [B,T,8], actions [B,T,C,Da]
-        (a_{t:t+C-1}, padded with the last action), action_mask [B,T,C] (False past the episode end),
-        frame_valid [B,T], reset [B], instr [B]."""
+        """A StreamSampler window -> tokens [B,T,n_tok,D] float32, state [B,T,8], actions [B,T,C,Da] (a_{t:t+C-1},
+        padded with the last action), action_mask [B,T,C] (False past the end), frame_valid [B,T], reset, instr [B]."""
         ep, start = np.asarray(window["episode"]), np.asarray(window["start"])  # [B], [B]
         B, T, C = len(ep), window["window"], window["chunk"]
         L = self.lengths[ep][:, None]  # [B, 1]
@@ -441,12 +397,11 @@ class FrameData:
 
 
 class StreamSampler:
-    """B parallel streams; each walks whole episodes front to back in consecutive windows of T frames.
-    next_window() -> dict(episode [B], start [B], reset [B] bool, window=T, chunk=C, epoch). reset[b] is True exactly
-    at the first window of an episode: the trainer zeros stream b's memory there and otherwise carries it over
-    (detached), so late frames train with long histories as at deployment. A stream that finishes an episode takes
-    the next one from a shared queue, a permutation of all episodes drawn from (seed, epoch); state_dict() resumes
-    the sequence exactly. Windows never straddle two episodes (FrameData.batch marks frames past the end invalid)."""
+    """B streams, each walking whole episodes in consecutive windows of T frames (never two episodes in one: frames
+    past the end are invalid). next_window() -> dict(episode [B], start [B], reset [B] bool, window=T, chunk=C, epoch);
+    reset[b] marks an episode's first window: the trainer zeros stream b's memory there and otherwise carries it
+    over (detached), so late frames train with long histories as at deployment. A stream takes its next episode from
+    a shared queue, a permutation drawn from (seed, epoch); state_dict() resumes the sequence exactly."""
 
     def __init__(self, episode_lengths, batch_size, window, chunk=1, seed=0):
         self.lengths = np.asarray(episode_lengths, np.int64)
@@ -485,25 +440,22 @@ class StreamSampler:
 
 
 # ---- Embedded memory suite: procedurally generated 2-D tasks that the current frame alone cannot solve -------------
-#
 # The unit square seen from above. The agent (white disc) moves by SPEED * clip(action[:2]) per step; action[2] > 0
 # presses. Objects sit near the centres of a 4x4 grid (random cells + jitter), a 16-pixel ViT patch grid at 64 px.
-# agentview_rgb shows the table, eye_in_hand_rgb a 2x zoom on the agent. The state (ee_states = [x, y, 0, 0, 0, 0],
+# agentview_rgb shows the table, eye_in_hand_rgb a 2x zoom on the agent; the state (ee_states = [x, y, 0, 0, 0, 0],
 # gripper_states = 0) never reveals counts, stages or cues. The expert goes straight to its goal at EXPERT_GAIN of
 # top speed, DART noise on the executed action; on pad tasks it goes on from the touch (TOUCH_R) to the target's
 # centre (REACH_R), so an imitating policy turns back well inside the touch radius rather than at its edge.
-#
 # MEMORYLESS_CEILING: the best success of a policy acting on the current observation alone (execution horizon 1;
 # an open-loop chunk of h steps is h steps of memory). Layouts never depend on the hidden variable.
-#  - cue_*: the cue shows in frames 0..CUE_STEPS-1 and the agent is frozen for FREEZE_STEPS, so the first frame in
-#    which it can move is the same whatever the cue: its first touch (a wrong one ends the episode) is
-#    cue-independent -> at best 1/K; also for open-loop horizons h <= FREEZE_STEPS - CUE_STEPS + 1. Training
-#    layouts are counterbalanced (each shown with each of its K cues), so the layout cannot be learnt as the cue.
+#  - cue_*: the cue shows in frames 0..CUE_STEPS-1 and the agent is frozen for FREEZE_STEPS, so its first touch (a
+#    wrong one ends the episode) is cue-independent -> at best 1/K, also for open-loop horizons h <= FREEZE_STEPS -
+#    CUE_STEPS + 1. Training layouts are counterbalanced (each with each of its K cues): the layout is not the cue.
 #  - round_trip_* / count_*: entering the home pad snaps the agent to its centre, so every visit of the pad is one
 #    identical observation. Pressing the pad ends the episode, a success iff the target was touched exactly n times
 #    (it re-arms on the pad). From the pad a memoryless policy presses with some probability 1-x at every visit, so
-#    P(success) <= x^n (1-x) <= n^n / (n+1)^(n+1) = 1/4, 4/27, 27/256 for n = 1, 2, 3. This holds for chunks that
-#    re-plan on the pad; a chunk running across the pad carries information from the previous trip.
+#    P(success) <= x^n (1-x) <= n^n / (n+1)^(n+1) = 1/4, 4/27, 27/256 for n = 1, 2, 3 (for chunks that re-plan on
+#    the pad: a chunk running across the pad carries information from the previous trip).
 MEMORY_SUITE_VERSION = 3  # bump when layouts, rendering or the expert change (older files are then refused)
 MEMORY_EPISODES = 150  # demos per task (cue tasks: 50 layouts x 3 cues); fewer generalise worse to new layouts
 SPEED = 0.08  # max displacement per step and axis (table = unit square)
@@ -536,22 +488,19 @@ MAX_STEPS = {"cue_colour": 40, "cue_location": 40, "round_trip_red": 50, "round_
 
 
 def _seg_dist(p, a, b):
-    """Distance from point p to segment ab."""
     ab, ap = b - a, p - a
     u = np.clip(ap @ ab / max(ab @ ab, 1e-12), 0.0, 1.0)
     return float(np.linalg.norm(ap - u * ab))
 
 
 class MemoryEnv:
-    """One embedded task. reset(seed, cue=None) -> raw obs; step(action [3]) -> (obs, success, done). Once done,
-    `outcome` (None before) is "success" or one of FAILURES: "timeout", "wrong_block" (cue tasks), "distractor",
-    "over_count" (more than n touches), "pad_press" (fewer). `count`: target touches so far. expert_action(): the
-    scripted expert (privileged, noise-free)."""
+    """One embedded task. reset(seed, cue=None) -> raw obs; step(action [3]) -> (obs, success, done); then `outcome` is
+    "success" or one of FAILURES: "timeout", "wrong_block" (cue tasks), "distractor", "over_count" (more than n
+    touches), "pad_press" (fewer). `count`: target touches so far. expert_action(): the privileged scripted expert."""
 
     def __init__(self, task, img_size=64):
-        self.img_size = img_size
         self.family, self.instruction, self.p = MEMORY_TASKS[task]
-        self.max_steps = MAX_STEPS[task]
+        self.img_size, self.max_steps = img_size, MAX_STEPS[task]
         g = (np.arange(img_size) + 0.5) / img_size  # pixel centres in [0, 1]
         self._gx, self._gy = np.meshgrid(g, 1.0 - g)  # [S, S] world x / y of each upright pixel (row 0 = top)
 
@@ -578,8 +527,7 @@ class MemoryEnv:
         self.pos, self.home, self.objs = start.copy(), start.copy(), objs
         self.cue = 0 if self.family != "cue" else int(rng.integers(n_obj)) if cue is None else int(cue)
         self.t, self.count, self.armed, self.in_home, self.done, self.success = 0, 0, True, True, False, False
-        self.outcome = None
-        self.reached = False  # reached the target's centre since the last touch (the expert's bookkeeping)
+        self.outcome, self.reached = None, False  # reached: the target's centre since the last touch (expert's)
         return self._obs()
 
     def step(self, action):
@@ -649,21 +597,18 @@ class MemoryEnv:
                 square(self.objs[1], OBJ_HALF, COLOURS[self.p["distractor"]])
         img[(gx - self.pos[0]) ** 2 + (gy - self.pos[1]) ** 2 < AGENT_R ** 2] = COLOURS["white"]
         if cue_on and self.p["cue"] == "colour":  # a thick frame in the cue colour
-            b = 4 * self.img_size // 64
-            col = COLOURS[CUE_COLOURS[self.cue]]
+            b, col = 4 * self.img_size // 64, COLOURS[CUE_COLOURS[self.cue]]
             img[:b], img[-b:], img[:, :b], img[:, -b:] = col, col, col, col
         return img
 
     def render(self):
         """Upright views: (agentview [S,S,3], eye_in_hand [S,S,3]) uint8."""
         S = self.img_size
-        glob = np.full((S, S, 3), COLOURS["floor"], np.uint8)
-        self._draw(self._gx, self._gy, glob)
+        glob = self._draw(self._gx, self._gy, np.full((S, S, 3), COLOURS["floor"], np.uint8))
         ex, ey = self.pos[0] + (self._gx - 0.5) * 0.5, self.pos[1] + (self._gy - 0.5) * 0.5  # 2x zoom on agent
         ego = np.zeros((S, S, 3), np.uint8)
         ego[(ex > 0) & (ex < 1) & (ey > 0) & (ey < 1)] = COLOURS["floor"]
-        self._draw(ex, ey, ego)
-        return glob, ego
+        return glob, self._draw(ex, ey, ego)
 
     def _obs(self):
         glob, ego = self.render()
@@ -689,11 +634,10 @@ def rollout_expert(env, seed, noise=EXPERT_NOISE, cue=None):
 
 def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size=None, seed=0, tasks=None,
                           overwrite=False, progress=True, write=True):
-    """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout) for each task. Existing files are kept unless
-    overwrite; None accepts what an existing file holds (else n_episodes = MEMORY_EPISODES, img_size = 64). A file
-    that differs from what is asked, or was written by another MEMORY_SUITE_VERSION, is a DataError naming the
-    file and the command that regenerates it. write=False only checks: missing files are a DataError naming them
-    and the command that writes them. Every demo is an expert success."""
+    """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout), every demo an expert success. Existing files are
+    kept unless overwrite; None accepts what a file holds (else n_episodes = MEMORY_EPISODES, img_size = 64). A file
+    unlike what is asked or of another MEMORY_SUITE_VERSION, or with write=False a missing file, is a DataError
+    naming it and the command that (re)writes it."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     if img_size is not None and img_size < 16:  # the colour cue's frame is img_size / 16 pixels wide
@@ -709,13 +653,12 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
                         f"into its default --data {DEFAULT_DATA_ROOT} only)")
     for task, path in paths.items():
         if path.exists() and not overwrite:
-            with open_demo_file(path) as f:
+            with _h5_errors(path), h5py.File(path, "r") as f:
                 _demo_names(f, path)  # a file without a 'data' group or demos is named as such, not as outdated
                 have = dict(f["data"].attrs)
             want = {"suite_version": MEMORY_SUITE_VERSION, "img_size": img_size, "num_demos": n_episodes}
-            diff = [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
-                    if w is not None and have.get(k) != w]
-            if diff:
+            if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
+                        if w is not None and have.get(k) != w]:
                 raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite memory --out "
                                 f"{data_root} --overwrite{sizes}` or use another data root")
             continue
@@ -738,10 +681,9 @@ def parser():
     ap.add_argument("--suite", default=MEMORY_SUITE, choices=SUITES, help=f"(default: {MEMORY_SUITE})")
     ap.add_argument("--out", "--data-root", dest="root", default=DEFAULT_DATA_ROOT,
                     help=f"data root: <root>/<suite>/*_demo.hdf5 (default: {DEFAULT_DATA_ROOT})")
-    ap.add_argument("--episodes", type=int, default=None, help=f"memory suite: demos per task (default: "
-                    f"{MEMORY_EPISODES}, or what existing files hold)")
-    ap.add_argument("--img-size", type=int, default=None,
-                    help="memory suite: rendered image size (default: 64, or what existing files hold)")
+    ap.add_argument("--episodes", type=int, help=f"memory suite: demos per task (default: {MEMORY_EPISODES}, or what "
+                    "existing files hold)")
+    ap.add_argument("--img-size", type=int, help="memory suite: image size (default: 64, or what existing files hold)")
     ap.add_argument("--seed", type=int, default=0, help="memory suite: layout and noise seed (default: 0)")
     ap.add_argument("--overwrite", action="store_true", help="memory suite: regenerate existing files (default: off)")
     return ap

@@ -31,9 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+
 # ---- The functional core (leading dims `...` are batch / head dims and broadcast) --------------------------------
-
-
 def write_weights(beta, pad_mask=None, cap=0.99):
     """eq. (write-gate): w = p b / (1 - b), b = min(beta, cap). The odds form makes the N = 1 joint write equal the
     gated delta rule with strength b (eq. app-single-token); the cap bounds w <= 99, so cond(A) <= 1 + 99 N."""
@@ -169,8 +168,6 @@ def reset_state(state, rows):
 
 
 # ---- The memory layer ------------------------------------------------------------------------------------------
-
-
 @dataclass
 class DRAMConfig:
     d_q: int = 256  # D_Q: query-source width (the fused output Y has the same width)

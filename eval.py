@@ -15,11 +15,11 @@ carry the keys of LIBERO's demo HDF5 `obs/` group (images upside down).
 """
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -79,8 +79,7 @@ def import_libero():
 
 
 def suite_tasks(suite, ids=None, trials=1):
-    """[(task_id, task name, instruction)] of `suite` for `ids` (None: all); LIBERO trial k starts from the task's
-    fixed initial state k."""
+    """[(task_id, task name, instruction)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k."""
     if suite == data.MEMORY_SUITE:
         named = [(name, spec[1]) for name, spec in data.MEMORY_TASKS.items()]
     else:
@@ -89,8 +88,7 @@ def suite_tasks(suite, ids=None, trials=1):
     ids = list(range(len(named)) if ids is None else ids)
     if len(set(ids)) < len(ids) or not all(0 <= t < len(named) for t in ids):
         raise hosts.ConfigError(f"--tasks {ids}: distinct task ids of {suite}, which has tasks 0..{len(named) - 1}")
-    short = [] if suite == data.MEMORY_SUITE else [t for t in ids if len(bench.get_task_init_states(t)) < trials]
-    if short:
+    if suite != data.MEMORY_SUITE and (short := [t for t in ids if len(bench.get_task_init_states(t)) < trials]):
         raise hosts.ConfigError(f"--trials {trials}: {suite} task {short[0]} has fewer fixed initial states")
     return [(t, *named[t]) for t in ids]
 
@@ -103,8 +101,7 @@ class LiberoEnv:
         benchmark, get_libero_path, OffScreenRenderEnv = import_libero()
         bench = benchmark.get_benchmark_dict()[suite]()
         task = bench.get_task(task_id)
-        self.instruction = task.language
-        self.max_steps = max_steps or LIBERO_MAX_STEPS[suite]  # policy steps, the wait steps not included
+        self.instruction, self.max_steps = task.language, max_steps or LIBERO_MAX_STEPS[suite]  # without wait steps
         self.init_states = np.asarray(bench.get_task_init_states(task_id))  # [n_init, state_dim]
         bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
         try:
@@ -114,9 +111,8 @@ class LiberoEnv:
                                f"MUJOCO_GL={os.environ.get('MUJOCO_GL')}: {SIM_FIX}") from e
 
     def reset(self, trial):
-        # openpi seeds each env once ("the seed moves objects even with fixed initial states"). env.seed seeds numpy's
-        # global generator, which reset() draws object placements from: seeded per episode, trial k cannot depend on
-        # the episodes run before it in this process
+        # env.seed seeds numpy's global generator, which places the objects: seeded per episode (openpi: once per
+        # env), trial k does not depend on the episodes run before it in this process
         self.env.seed(int(np.random.SeedSequence([self.seed, self.task_id, trial]).generate_state(1)[0]))
         self.env.reset()
         sim_obs = self.env.set_init_state(self.init_states[trial])
@@ -194,9 +190,8 @@ class EnvSlots:
         self.n, self.processes = n, processes
         if processes:
             ctx = mp.get_context("spawn")  # fork would copy the parent's CUDA / EGL state
-            pipes = [ctx.Pipe() for _ in range(n)]
-            self.conns = [parent for parent, _ in pipes]
-            self.procs = [ctx.Process(target=_serve, args=(child, make_env), daemon=True) for _, child in pipes]
+            self.conns, children = zip(*[ctx.Pipe() for _ in range(n)])
+            self.procs = [ctx.Process(target=_serve, args=(child, make_env), daemon=True) for child in children]
             for p in self.procs:
                 p.start()
         else:
@@ -221,29 +216,19 @@ class EnvSlots:
         if not self.processes:
             return [slot.close() for slot in self.slots]
         for c, p in zip(self.conns, self.procs):
-            try:
+            with contextlib.suppress(OSError):  # the worker may be gone already
                 c.send(("close", None))
-            except OSError:  # the worker is gone already
-                pass
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
 
 
 # ---- The rollout loop ------------------------------------------------------------------------------------------------
-def memory_reset_rows(frame, reset_every=0):
-    """Rows whose memory is cleared right before observation `frame` [n] (0: the first after the wait steps): frame
-    0 and, with reset_every = L > 0, frames L, 2L, ...: the memory integrates frames [kL, (k+1)L) (fig:reset)."""
-    frame = np.asarray(frame)
-    return frame % reset_every == 0 if reset_every > 0 else frame == 0  # [n] bool
-
-
 def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
-    """Run `episodes` [(task_id, trial)] on `slots` with one batched policy.act per step; yields each episode's record
-    as it ends. Row i of the policy batch is slot i for the whole run: an idle slot keeps feeding its last
-    observation (its actions are discarded). Episode (task_id, trial) draws its policy noise from its own generator
-    [seed, task_id, trial, 1] (the embedded suite's layout draws from [seed, task_id, trial]): its draws never depend
-    on the episodes run before it, beside it or in another process."""
+    """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step; yields each episode's record as
+    it ends. Row i of the policy batch is slot i: an idle slot re-feeds its last observation (actions discarded).
+    Episode (task_id, trial) draws its policy noise from its own generator [seed, task_id, trial, 1] (the embedded
+    suite's layout: [seed, task_id, trial]), whatever runs before it, beside it or in another process."""
     queue = list(episodes)
     n = min(slots.n, len(queue))
     ep = [None] * n  # (task_id, trial) running in slot i, None when idle
@@ -258,7 +243,8 @@ def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
     start(range(n))
     while any(e is not None for e in ep):
         active = np.array([e is not None for e in ep])  # [n]
-        rows = memory_reset_rows(frame, reset_every) & active  # [n]
+        # cleared before frame 0 (the first after the wait steps) and frames L, 2L, ... for L = reset_every (fig:reset)
+        rows = (frame % reset_every == 0 if reset_every > 0 else frame == 0) & active  # [n]
         if rows.any():
             new = (frame == 0) & active  # [n]
             policy.reset(rows, new, {i: np.random.default_rng([seed, *ep[i], 1]) for i in np.flatnonzero(new)})
@@ -272,8 +258,7 @@ def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
             obs[i] = o
             frame[i] += 1  # = policy steps taken in this episode
             if done or frame[i] >= max_steps[i]:
-                task_id, trial = ep[i]
-                yield dict(task_id=int(task_id), trial=int(trial), instruction=instr[i], success=bool(success),
+                yield dict(task_id=int(ep[i][0]), trial=int(ep[i][1]), instruction=instr[i], success=bool(success),
                            steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2), **info)
                 ep[i] = None
                 finished.append(i)
@@ -293,9 +278,8 @@ class ZeroPolicy:
 
 
 class CheckpointPolicy:
-    """A train.py checkpoint as a policy. Every act() is one memory read-write transition; the action expert denoises
-    a new chunk every `replan` observations and at an episode start (a --reset-every reset keeps the chunk). On a GPU
-    the control step replays CUDA graphs (GraphedControlStep) where the host allows it (Host.cuda_graphs)."""
+    """A train.py checkpoint as a policy: each act() is one memory transition; a new chunk is denoised every `replan`
+    observations and at an episode start (not at a --reset-every reset); on a GPU, CUDA graphs if Host.cuda_graphs."""
 
     def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
         self.host, ck = hosts.load_checkpoint(ckpt, device)
@@ -304,8 +288,7 @@ class CheckpointPolicy:
         self.sha1 = ck["file_sha1"]  # names the policy in episode logs: a file retrained in place never resumes one
         if not 1 <= replan <= self.host.cfg.chunk:
             raise hosts.ConfigError(f"--replan {replan} must be in [1, chunk = {self.host.cfg.chunk}] for {ckpt}")
-        self.replan = replan
-        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
+        self.replan, self.use_graphs = replan, cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
         self.state = self.chunk = self.age = self.graphed = None
 
     def reset(self, rows, new_episode=None, rngs=None):
@@ -341,8 +324,7 @@ class CheckpointPolicy:
             ctx, self.state = self.host.step(self.host.encode(images, ids), ids, self.state)  # one transition
         need = self.age >= self.replan  # [n]
         if need.any():  # the action expert runs only when a new chunk is needed
-            # drawn on the CPU from the rows' own generators, only for the rows that need a chunk: the same draws on
-            # every device, whatever the other rows do
+            # on the CPU from the needing rows' own generators: the same draws on every device, whatever other rows do
             noise = np.zeros(self.chunk.shape, np.float32)  # [n, C, Da]
             for i in np.flatnonzero(need):
                 noise[i] = self.rngs[i].standard_normal(noise.shape[1:], np.float32)
@@ -374,9 +356,8 @@ def capture_cuda_graph(fn, warmup=3, device=None):
 
 
 class GraphedControlStep:
-    """A host's control step at a fixed batch of n rows as two CUDA graphs: transition (frozen tower + host.step,
-    writes `state` in place) and chunk (host.sample). Eagerly, the GPU idles while Python launches a thousand small
-    kernels. The chunk's noise is an input, as for the eager Host.sample."""
+    """A host's control step for n rows as two CUDA graphs: transition (frozen tower + host.step, writes `state` in
+    place) and chunk (host.sample, noise an input). Eagerly the GPU idles while Python launches ~1000 small kernels."""
 
     def __init__(self, host, images, ids, state_vec, state):
         cfg, dev = host.cfg, state.device
@@ -472,9 +453,8 @@ def write_results(out, suite, summaries, settings):
 
 
 def evaluate(tasks, trials, policy, slots, out, settings, reset_every=0):
-    """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, log each as it ends, return the
-    summary of the episodes asked for. settings: the experiment, stored in every record; a log of another
-    experiment is refused, or the table would mix them."""
+    """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, logging each as it ends; -> their
+    summary. settings (stored in every record) must match the log's: a table never mixes experiments."""
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "episodes.jsonl")
     logged = load_log(log_path) if os.path.exists(log_path) else []
@@ -507,14 +487,11 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
     for ck, policy in policies.items():  # every file is checked before the first episode
         if policy.suite != suite:
             raise hosts.ConfigError(f"{ck} was trained on {policy.suite}; evaluate it with --suite {policy.suite}")
-    task_list = suite_tasks(suite, tasks, trials)
-    summaries = {}
+    task_list, summaries = suite_tasks(suite, tasks, trials), {}
     for i, (name, policy) in enumerate((policies or {"zero": ZeroPolicy()}).items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
-        if out is None:
-            where = os.path.join(ck_dir, f"eval_{suite}_L{reset_every}")
-        else:
-            where = out if len(policies) < 2 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}")
+        where = (os.path.join(ck_dir, f"eval_{suite}_L{reset_every}") if out is None else out if len(policies) < 2
+                 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
             env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
@@ -537,8 +514,7 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
 def parser():
     p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default=data.MEMORY_SUITE, choices=list(REPLAN), help="the embedded suite or a LIBERO "
-                   "suite (default: %(default)s)")
+    p.add_argument("--suite", default=data.MEMORY_SUITE, choices=list(REPLAN), help="(default: %(default)s)")
     p.add_argument("--ckpt", action="append", help="train.py checkpoint; several: side by side (default: none; "
                    "LIBERO then runs a zero policy)")
     p.add_argument("--tasks", type=int, nargs="+", help="task ids (default: all)")
@@ -585,8 +561,7 @@ def main(argv=None):
     try:
         return evaluate_checkpoints(**vars(args))
     except (data.DataError, hosts.ConfigError) as e:  # a user's mistake: one line (bugs keep their traceback)
-        print(f"eval.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(2)
+        parser().exit(2, f"eval.py: error: {' '.join(str(e).split())}\n")
 
 
 if __name__ == "__main__":

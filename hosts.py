@@ -45,8 +45,7 @@ from dram import DRAMConfig, DRAMLayer, DRAMStack
 
 
 class ConfigError(ValueError):
-    """A setting or file the user chose cannot work; the message names the flag or file that fixes it (train.py and
-    eval.py print it as one line, exit status 2)."""
+    """A setting or file the user chose cannot work; the message names the flag or file that fixes it (one line)."""
 
 
 @dataclass
@@ -63,18 +62,15 @@ class HostConfig:
     chunk: int = 8  # C, action chunk length
     vocab: tuple = ()  # instruction strings seen in training (saved with the checkpoint)
     flow_steps: int = 10  # Euler steps at sampling
-    # memory
     mem_depth: int = 2  # DRAMStack depth (dit) / memory layers for last_hidden (vla)
     mem_heads: int = 4
     mem_dk: int = 32
     mem_dv: int = 32
     mixer: bool = False  # intra-frame mixer after each fuse (dit)
-    # DiT action head
-    d_model: int = 128
+    d_model: int = 128  # DiT action head width
     head_blocks: int = 4  # alternating cross-attention (even) / self-attention (odd) blocks
     head_heads: int = 4
-    # pi0.5-style host
-    write_source: str = "hidden"  # native_kv | hidden | last_hidden
+    write_source: str = "hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
     query_slots: int = 8  # M learned query slots
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
@@ -92,7 +88,6 @@ class HostConfig:
 
 
 # ---- Frozen vision tower (shared by both hosts) ------------------------------------------------------------------
-
 def hub_reachable(timeout=3.0):
     """One request to the model hub, answered within `timeout` seconds or taken as offline."""
     try:
@@ -103,9 +98,8 @@ def hub_reachable(timeout=3.0):
 
 
 class FrozenTower(nn.Module):
-    """timm tower, frozen: eval mode, requires_grad False, no_grad, the model's own normalisation. Its random
-    weights come from a fixed seed, so every process (training, cache, evaluation) builds the bit-identical tower;
-    `fingerprint()` keys the feature cache and is checked at load."""
+    """timm tower, frozen (eval mode, no grad, its own normalisation). Its random weights come from a fixed seed: every
+    process builds the bit-identical tower; `fingerprint()` keys the feature cache and is checked at load."""
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
@@ -113,14 +107,11 @@ class FrozenTower(nn.Module):
             raise ConfigError(f"--vision {cfg.vision}: not a timm model name (timm.list_models('vit_*') lists some)")
         probe = timm.create_model(cfg.vision, pretrained=False, num_classes=0)
         self.is_vit = hasattr(probe, "patch_embed")
-        size = {}
-        if self.is_vit:
-            patch = probe.patch_embed.patch_size[0]
-            if cfg.image_size % patch:
-                near = max(patch, round(cfg.image_size / patch) * patch)
-                raise ConfigError(f"--image-size {cfg.image_size} is not a multiple of {cfg.vision}'s patch size "
-                                  f"{patch}; use e.g. {near}")
-            size = dict(img_size=cfg.image_size)
+        patch = probe.patch_embed.patch_size[0] if self.is_vit else 1
+        if cfg.image_size % patch:
+            raise ConfigError(f"--image-size {cfg.image_size} is not a multiple of {cfg.vision}'s patch size {patch}; "
+                              f"use e.g. {max(patch, round(cfg.image_size / patch) * patch)}")
+        size = dict(img_size=cfg.image_size) if self.is_vit else {}
 
         def create(pretrained, **kw):  # seeded in a forked generator: the caller's random stream is left as it was
             with torch.random.fork_rng(devices=[]):
@@ -135,8 +126,7 @@ class FrozenTower(nn.Module):
             except Exception as e:
                 raise ConfigError(f"--weights-file {cfg.weights_file}: cannot load it into {cfg.vision} "
                                   f"({type(e).__name__}: {e})") from e
-            # timm loads a file non-strictly once the classifier is dropped: a file of another model would leave the
-            # tower at its random initialisation without an error
+            # timm loads non-strictly without the classifier: another model's file would silently keep the random init
             if self.fingerprint() == random_init:
                 raise ConfigError(f"--weights-file {cfg.weights_file}: {cfg.vision}'s weights are not in it (the tower "
                                   f"kept its random initialisation); is it that model's file?")
@@ -154,9 +144,9 @@ class FrozenTower(nn.Module):
         dc = timm.data.resolve_model_data_config(self.model)
         self.register_buffer("mean", torch.tensor(dc["mean"]).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(dc["std"]).view(1, 3, 1, 1), persistent=False)
-        self.size = cfg.image_size
-        self.width = self.model.num_features
+        self.size, self.width = cfg.image_size, self.model.num_features
         self.model.eval().requires_grad_(False)
+        self.n_patches = self.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]  # P
 
     def train(self, mode=True):  # stays in eval mode whatever the parent does
         return super().train(False)
@@ -199,7 +189,6 @@ def stack_cameras(images, cameras, device):
 
 
 # ---- Shared by both hosts: flow matching, the Host interface -----------------------------------------------------
-
 def sample_tau(n, device):
     """tau = 0.999 b + 0.001, b ~ Beta(1.5, 1) (eq. fm), which favours the noisy end tau -> 1. [n] on `device`.
     Inverse CDF: F(b) = b^1.5, so b = U^(2/3) with U ~ U(0, 1)."""
@@ -235,8 +224,7 @@ class FlowHead(nn.Module):
 
     def fm_loss(self, ctx, state_vec, instr, actions, action_mask):
         """F frames: actions [F, C, Da], action_mask [F, C] -> per-frame loss [F] (mean over the valid actions)."""
-        tau = sample_tau(actions.shape[0], actions.device)  # [F]
-        eps = torch.randn_like(actions)
+        tau, eps = sample_tau(actions.shape[0], actions.device), torch.randn_like(actions)  # [F], [F, C, Da]
         a_tau = (1 - tau[:, None, None]) * actions + tau[:, None, None] * eps
         u = eps - actions
         v = self.velocity(a_tau, tau, ctx, state_vec, instr)  # [F, C, Da]
@@ -261,8 +249,7 @@ class Host(nn.Module):
 
     def __init__(self, cfg: HostConfig):
         super().__init__()
-        self.cfg = cfg
-        self.tower = FrozenTower(cfg)
+        self.cfg, self.tower = cfg, FrozenTower(cfg)
 
     def init_state(self, batch_size, device=None):
         """S_0 = 0 of every memory layer, fp32 [B, L_mem, H, dk, dv] ([B, 0] without memory)."""
@@ -274,8 +261,7 @@ class Host(nn.Module):
     def instr_ids(self, instructions, device=None):
         """Instruction strings -> ids into the vocabulary saved with the checkpoint; unknown ones are an error."""
         index = {s: i for i, s in enumerate(self.cfg.vocab)}
-        unknown = [s for s in instructions if s not in index]
-        if unknown:
+        if unknown := [s for s in instructions if s not in index]:
             raise KeyError(f"instruction(s) unknown to this checkpoint: {unknown!r}; it was trained on "
                            f"{list(self.cfg.vocab)!r}")
         return torch.tensor([index[s] for s in instructions], device=device)
@@ -290,26 +276,21 @@ class Host(nn.Module):
         action_mask [B, T, C], frame_valid [B, T]. Gradients run through the whole window (reads, gates, solve);
         only the F valid frames reach the head. -> (sum of their per-frame losses, F [] long, new memory state)."""
         ctx, new_state = self.context(feats, instr, state, frame_valid)  # ctx values [B, T, ...]
-        B, T = frame_valid.shape
-        sel = frame_valid.reshape(-1)  # [B T]
+        (B, T), sel = frame_valid.shape, frame_valid.reshape(-1)  # sel: [B T]
         pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
-        ctx_v = {k: pick(v) for k, v in ctx.items()}
-        instr_v = pick(instr[:, None].expand(B, T))  # [F]
-        per_frame = self.head.fm_loss(ctx_v, pick(state_vec), instr_v, pick(actions), pick(action_mask))  # [F]
+        per_frame = self.head.fm_loss({k: pick(v) for k, v in ctx.items()}, pick(state_vec),
+                                      pick(instr[:, None].expand(B, T)), pick(actions), pick(action_mask))  # [F]
         return per_frame.sum(), sel.sum(), new_state
 
-    def sample(self, ctx, state_vec, instr, noise=None, steps=None):
-        """Action chunk [B, C, Da] (normalised units) for one frame's context; noise fixes the draw for tests."""
-        if noise is None:
-            noise = torch.randn(state_vec.shape[0], self.cfg.chunk, self.cfg.action_dim, device=state_vec.device)
-        return self.head.sample(ctx, state_vec, instr, noise, steps or self.cfg.flow_steps)
+    def sample(self, ctx, state_vec, instr, noise):
+        """Action chunk [B, C, Da] (normalised units) for one frame's context, from noise [B, C, Da]."""
+        return self.head.sample(ctx, state_vec, instr, noise, self.cfg.flow_steps)
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
 
 # ---- Shared-source pattern: the DiT host -------------------------------------------------------------------------
-
 class DiTBlock(nn.Module):
     """GR00T-style block: adaLN, attention (cross to the frame tokens Y, or self over [state, actions]), LN, MLP."""
 
@@ -334,9 +315,8 @@ class DiTBlock(nn.Module):
 
 class DiTHead(FlowHead):
     """DiT action head: tokens [state, a_tau^1..C] (learned positions on actions), adaLN on the flow time and the
-    instruction, blocks alternating cross-attention to the conditioning tokens Y and self-attention. In GR00T the
-    VLM's tokens carry the instruction; this tower sees images only, so a learned instruction embedding joins the
-    time embedding (FiLM-style)."""
+    instruction, blocks alternating cross-attention to the tokens Y and self-attention. In GR00T the VLM's tokens
+    carry the instruction; this tower sees images only, so a learned instruction embedding joins the time embedding."""
 
     def __init__(self, cfg: HostConfig, d_ctx):
         super().__init__()
@@ -368,11 +348,8 @@ class DiTHost(Host):
         super().__init__(cfg)
         D = self.tower.width
         self.cam_embed = nn.Parameter(0.02 * torch.randn(len(cfg.cameras), 1, D))  # learned camera embedding
-        # learned patch-position embedding, initialised with a 2-D sin-cos grid: attention is permutation invariant,
-        # and a randomly initialised tower (the embedded suite) barely encodes position in its tokens
-        with torch.no_grad():
-            P = self.tower.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]
-        self.patch_pos = nn.Parameter(sincos_2d(P, D))  # [P, D]
+        # learned, sin-cos initialised: attention is permutation invariant and a random tower barely encodes position
+        self.patch_pos = nn.Parameter(sincos_2d(self.tower.n_patches, D))  # [P, D]
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), D)  # learned instruction token
         mcfg = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=cfg.mem_heads, head_dk=cfg.mem_dk, head_dv=cfg.mem_dv,
                           mixer=cfg.mixer)
@@ -380,28 +357,24 @@ class DiTHost(Host):
         self.head = DiTHead(cfg, D)
 
     def encode(self, images, instr=None):
-        """Frozen tower on all cameras of a batch of frames in one call: dict cam -> uint8 [B, H, W, 3] upright
-        -> patch tokens [B, n_cam P, D] (a pure function of the observation, hence cacheable)."""
+        """Frozen tower on all cameras in one call: cam -> uint8 [B, H, W, 3] upright -> tokens [B, n_cam P, D]."""
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         tok = self.tower.patch_tokens(self.tower.preprocess(x))  # [B n_cam, P, D]
         return tok.reshape(-1, len(self.cfg.cameras) * tok.shape[1], tok.shape[2])  # [B, n_cam P, D]
 
     def context(self, feats, instr, state, frame_valid=None):
         """feats [B, T, n_cam P, D] -> ({"tokens": Y [B, T, n_cam P + 1, D]}, new_state)."""
-        B, T, NP, D = feats.shape
-        n_cam = len(self.cfg.cameras)
+        (B, T, NP, D), n_cam = feats.shape, len(self.cfg.cameras)
         x = feats.to(self.cam_embed.dtype).view(B, T, n_cam, NP // n_cam, D)  # [B, T, n_cam, P, D]
         x = (x + self.cam_embed + self.patch_pos).reshape(B, T, NP, D)
         lang = self.instr_embed(instr)[:, None, None].expand(B, T, 1, D)  # [B, T, 1, D]
         x = torch.cat([x, lang], 2)  # [B, T, N, D] the frame's token sequence X_t
-        if self.memory is None:
-            return {"tokens": x}, state
-        y, state = self.memory(x, state, None, frame_valid)  # shared source: X^Q = X^K = X^V = X_t
-        return {"tokens": y}, state
+        if self.memory is not None:
+            x, state = self.memory(x, state, None, frame_valid)  # shared source: X^Q = X^K = X^V = X_t
+        return {"tokens": x}, state
 
 
 # ---- Separate-source pattern: the pi0.5-style host ---------------------------------------------------------------
-
 def rope(x, pos):
     """Rotary position embedding (half-split form). x [B, h, n, dh], pos [n] -> rotated x. Position -1 is the
     memory prefix's reserved index: those keys are left unrotated, so every query sees them at the same phase."""
@@ -517,9 +490,7 @@ class VLAHost(Host):
         # ~0.3 % of the token power, so without it neither the native values nor the hidden tokens (the memory's
         # write sources) say where a block is. Scaled to the patch embeddings' size (RMS 0.36 in vit_tiny). Fixed,
         # not learned: the features stay a pure function of the observation and can be cached.
-        n_cam = len(cfg.cameras)
-        with torch.no_grad():
-            P = self.tower.patch_tokens(torch.zeros(1, 3, cfg.image_size, cfg.image_size)).shape[1]
+        n_cam, P = len(cfg.cameras), self.tower.n_patches
         ang = torch.arange(n_cam, dtype=torch.float32)[:, None] / (100.0 ** (torch.arange(D // 2) / (D // 2)))
         cam = torch.cat([ang.sin(), ang.cos()], 1)  # [n_cam, D] 1-D sin-cos code of the camera index
         code = 0.5 * (sincos_2d(P, D)[None] + cam[:, None]) if cfg.pos_code else torch.zeros(n_cam, P, D)
@@ -581,17 +552,9 @@ def make_host(name, config: HostConfig):
 
 
 # ---- Checkpoints: the host's config and trained weights (+ train.py's state to resume exactly) -------------------
-
-def trainable_state(host):
-    """The trained weights on the CPU (the frozen tower is rebuilt from the config, not stored)."""
-    keep = {n for n, p in host.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu() for k, v in host.state_dict().items() if k in keep}
-
-
 def save_checkpoint(path, obj):
-    """Atomic and durable: write a temporary file <path>.tmp<pid>, flush it to the disk, rename it over `path`, flush
-    the folder, so neither a kill nor a power loss leaves a corrupt checkpoint (a kill leaves the temporary file:
-    data.remove_stale_tmp)."""
+    """Atomic and durable: write <path>.tmp<pid>, flush it to the disk, rename it over `path`, flush the folder: neither
+    a kill nor a power loss leaves a corrupt checkpoint (a kill leaves the temporary file: data.remove_stale_tmp)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -608,9 +571,8 @@ def save_checkpoint(path, obj):
 
 
 def nonfinite(obj):
-    """Key paths ("model/head.out.1.weight", "optimizer/state/3/exp_avg") of the floating-point tensors and numpy
-    arrays holding NaN/inf in `obj`, one or nested in dicts, lists and tuples (one host sync for all tensors).
-    Python numbers are not checked: arguments may be inf on purpose (--clip inf)."""
+    """Key paths ("model/head.out.1.weight") of the float tensors and numpy arrays holding NaN/inf in `obj` (nested
+    dicts, lists, tuples), one host sync for all. Python numbers are not checked: --clip inf is on purpose."""
     checks = []  # (key path, bool tensor: all finite)
 
     def walk(x, name):
@@ -628,9 +590,8 @@ def nonfinite(obj):
 
 
 def read_checkpoint(path):
-    """-> ckpt dict on the CPU, with ckpt["file_sha1"] naming the file's bytes (read once). A file that is not a
-    train.py checkpoint (truncated, another format or program, NaN/inf in any tensor or array it holds: weights,
-    statistics, memory states, optimizer moments) raises data.DataError naming it and the key."""
+    """-> ckpt dict on the CPU, ckpt["file_sha1"] naming the file's bytes. A file that is not a train.py checkpoint
+    (truncated, another format, NaN/inf in any tensor or array it holds) raises data.DataError naming it and the key."""
     raw = Path(path).read_bytes()
     try:
         ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
@@ -639,8 +600,7 @@ def read_checkpoint(path):
     for k in ("config", "model", "stats", "tower_fingerprint"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
-    bad = nonfinite(ck)
-    if bad:
+    if bad := nonfinite(ck):
         raise data.DataError(f"{path}: {', '.join(bad[:3])} hold NaN/inf; this checkpoint cannot act or resume")
     ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
     return ck
@@ -670,7 +630,6 @@ def load_checkpoint(path, device="cpu", expect=None):
         raise ConfigError(f"checkpoint {path} is not a file: pass a ckpt.pt (train one with `python train.py`)")
     ck = read_checkpoint(path)
     check_config(ck, path, expect or {})
-    cfg = HostConfig(**ck["config"])
-    host = make_host(cfg.host, cfg).to(device)
+    host = make_host(ck["config"]["host"], HostConfig(**ck["config"])).to(device)
     load_weights(host, ck, path)
     return host.eval(), ck

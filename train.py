@@ -7,9 +7,9 @@ Post-train DRAM on a frozen host policy with truncated BPTT and flow matching (p
   python train.py --host vla --write-source native_kv      # pi0.5-style host, separate-source memory
   torchrun --nproc_per_node 2 train.py ...                 # DDP: each rank its own streams
 
-The memory, adapters and action head train; the tower / backbone stay frozen, so each frame is encoded once into the
-feature cache (data.py). B streams walk whole episodes in windows of T frames; a stream's memory state is carried to
-its next window (detached there) and zeroed when it starts an episode. Gradients run through the whole window.
+The memory, adapters and action head train; the frozen tower encodes each frame once into the feature cache (data.py).
+B streams walk whole episodes in windows of T frames, gradients through the whole window; a stream's memory state is
+carried to its next window (detached there) and zeroed when it starts an episode.
 """
 import argparse
 import dataclasses
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import data
 from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
-from hosts import nonfinite, read_checkpoint, save_checkpoint, trainable_state
+from hosts import nonfinite, read_checkpoint, save_checkpoint
 
 # the embedded memory suite on 2 CPU cores in under 10 minutes (one memory layer there: more steps in that budget)
 DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
@@ -48,26 +48,22 @@ class Help(argparse.ArgumentDefaultsHelpFormatter):
 def parser():
     p = argparse.ArgumentParser(description="Truncated-BPTT training of DRAM on a frozen host policy",
                                 formatter_class=Help)
-    p.add_argument("--host", default="dit", choices=["dit", "vla"], help="integration pattern: shared (dit) or "
-                   "separate (vla) source")
+    p.add_argument("--host", default="dit", choices=["dit", "vla"], help="shared (dit) or separate (vla) source")
     p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
-    p.add_argument("--write-source", default=None, choices=["native_kv", "hidden", "last_hidden"],
+    p.add_argument("--write-source", choices=["native_kv", "hidden", "last_hidden"],
                    help=f"vla host: what the memory layers write (default: {VLA_WRITE_SOURCE})")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
-    p.add_argument("--vision", default=None, help="timm model of the frozen tower (default: vit_tiny_patch16_224, "
-                   "vit_small_patch16_224.dino for LIBERO)")
-    p.add_argument("--image-size", type=int, default=None, help="tower input size (default: 64 memory / 128 LIBERO)")
-    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--vision", help="timm tower (default: vit_tiny_patch16_224; LIBERO vit_small_patch16_224.dino)")
+    p.add_argument("--image-size", type=int, help="tower input size (default: 64 memory / 128 LIBERO)")
+    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
-    p.add_argument("--weights-file", default="", help="local weights file for the tower (offline pretrained; "
-                   "default: none)")
+    p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
     p.add_argument("--window", type=int, default=DEFAULTS["window"], help="TBPTT window T (frames)")
-    p.add_argument("--chunk", type=int, default=None, help=f"action chunk length C (default: {DEFAULTS['chunk']} "
-                   f"embedded suite, {LIBERO_CHUNK} LIBERO)")
+    p.add_argument("--chunk", type=int, help=f"action chunk C (default: {DEFAULTS['chunk']}; LIBERO {LIBERO_CHUNK})")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps")
     p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="parallel streams B (per rank)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
@@ -75,33 +71,30 @@ def parser():
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--mem-lr-mult", type=float, default=2.0, help="peak lr of the memory layers = this x --lr")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
-    p.add_argument("--episodes", type=int, default=None, help="embedded suite: demos per task, generated once "
-                   f"into the default --data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
-    p.add_argument("--mem-depth", type=int, default=None, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
+    p.add_argument("--episodes", type=int, help="embedded suite: demos per task, generated once into the default "
+                   f"--data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
+    p.add_argument("--mem-depth", type=int, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
     p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
     p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
     p.add_argument("--head-blocks", type=int, default=4, help="DiT blocks (alternating cross / self attention)")
-    p.add_argument("--vla-layers", type=int, default=None, help=f"backbone layers used by the vla host (default: "
-                   f"{VLA_LAYERS})")
-    p.add_argument("--pos-code", action=argparse.BooleanOptionalAction, default=None, help="vla host: fixed "
-                   "position + camera code on the patch tokens before the frozen blocks (default: on without "
-                   "--pretrained, whose tower embeds position itself)")
-    p.add_argument("--key-norm", action=argparse.BooleanOptionalAction, default=None, help="vla host: RMS-normalise "
-                   "the keys the action expert attends to, per head (default: on)")
-    p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix in its own "
-                   "softmax behind a zero-initialised gate instead of the expert's joint softmax (default: off)")
+    p.add_argument("--vla-layers", type=int, help=f"vla host: backbone layers used (default: {VLA_LAYERS})")
+    p.add_argument("--pos-code", action=argparse.BooleanOptionalAction, help="vla host: fixed position + camera "
+                   "code on the patch tokens (default: on without --pretrained, whose tower embeds position itself)")
+    p.add_argument("--key-norm", action=argparse.BooleanOptionalAction, help="vla host: RMS-normalise the keys the "
+                   "action expert attends to, per head (default: on)")
+    p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix "
+                   "in its own softmax behind a zero-initialised gate, not the expert's joint softmax (default: off)")
     p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
     p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<host>-<memory>-<suite>)")
+    p.add_argument("--out", help="run directory (default: runs/<host>-<memory>-<suite>)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds a run, replacing it")
     p.add_argument("--save-every", type=int, default=250, help="checkpoint every this many steps")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default="auto", help="auto: one GPU per process if there are enough, else cpu")
-    p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # tests: simulate an interruption
-    p.add_argument("--eval-episodes", type=int, default=10, help="embedded suite: episodes per task evaluated at "
-                   "the end (0 = skip)")
+    p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # tests: simulate an interruption
+    p.add_argument("--eval-episodes", type=int, default=10, help="final eval (memory suite): episodes per task, 0: off")
     return p
 
 
@@ -128,15 +121,12 @@ def get_args(argv=None):
             p.error(f"--device {a.device}: {e}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
-    if a.host == "dit":  # options of the separate-source pattern mean nothing to the shared-source host
-        given = [k for k in VLA_ONLY if getattr(a, k) is not None]
-        if given:
-            p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
-                    f"writes its frame tokens")
-    a.write_source = a.write_source or VLA_WRITE_SOURCE
-    a.key_norm = a.key_norm is not False
-    a.prefix_gate = bool(a.prefix_gate)
-    a.vla_layers = a.vla_layers or VLA_LAYERS
+    # options of the separate-source pattern mean nothing to the shared-source host
+    if a.host == "dit" and (given := [k for k in VLA_ONLY if getattr(a, k) is not None]):
+        p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
+                f"writes its frame tokens")
+    a.write_source, a.vla_layers = a.write_source or VLA_WRITE_SOURCE, a.vla_layers or VLA_LAYERS
+    a.key_norm, a.prefix_gate = a.key_norm is not False, bool(a.prefix_gate)
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
@@ -159,24 +149,17 @@ def get_args(argv=None):
     return a
 
 
-def given_flags(argv=None):
-    """The destinations set on the command line itself (not by a default)."""
-    p, unset = parser(), object()
-    p.set_defaults(**{k: unset for k in vars(p.parse_args(argv))})
-    return {k for k, v in vars(p.parse_args(argv)).items() if v is not unset}
-
-
-# --resume: what this run's command line may set differently from the saved run's (everything else is the saved
-# run's value unless given again, and must then be equal)
 RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
                    "eval_episodes", "weights_file")  # where and how this process runs
-RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # e.g. train on to more steps
+RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # may change: train on to more steps
 
 
-def resume_args(a, saved, given, path):
-    """The arguments of a resumed run: the saved run's, except those of RESUME_THIS_RUN and what the command line
-    gives again. A given model, data or sampler setting that differs is an error: it would not continue the saved
-    run (another architecture does not load; another batch, window, seed or data changes the stream of windows)."""
+def resume_args(a, saved, argv, path):
+    """The saved run's arguments, except RESUME_THIS_RUN and what the command line gives again. A given model, data or
+    sampler setting that differs is an error: the weights would not load, or the stream of windows would change."""
+    p, unset = parser(), object()  # given: the destinations set on the command line itself, not by a default
+    p.set_defaults(**{k: unset for k in vars(p.parse_args(argv))})
+    given = {k for k, v in vars(p.parse_args(argv)).items() if v is not unset}
     a = argparse.Namespace(**vars(a))
     for k, v in saved.items():
         if k in RESUME_THIS_RUN:
@@ -202,12 +185,10 @@ def lr_at(step, a):
 
 
 # ---- One training step -------------------------------------------------------------------------------------------
-
 def train_step(host, opt, params, batch, state, clip, world=1):
-    """One TBPTT step on a window: zero the memory rows of streams that start an episode, flow-matching loss over
-    the window (eq. fm, mean over valid frames), backward through the whole window, clip, AdamW.
-    state [B, ...] is the state carried from the stream's previous window (detached at the window boundary).
-    Returns (loss [], valid frames [] (this rank's), new state detached)."""
+    """One TBPTT step: zero the memory rows of streams that start an episode, flow-matching loss (eq. fm, mean over
+    valid frames), backward through the whole window, clip, AdamW. state [B, ...]: carried from the stream's previous
+    window (detached there). -> (loss [], this rank's valid frames [], new state detached)."""
     state = host.reset_state(state.detach(), batch["reset"])
     # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda):
@@ -230,9 +211,8 @@ def train_step(host, opt, params, batch, state, clip, world=1):
 
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult):
-    """AdamW (betas 0.9, 0.95) over the host's trainable parameters in up to four groups: weight decay on the weight
-    matrices only (not biases or norm scales); the memory's own parameters at mem_lr_mult x the scheduled lr, the
-    rest at 1 x. Each group's `lr_mult` is what set_lr multiplies; empty groups are left out (--memory none)."""
+    """AdamW (betas 0.9, 0.95) in up to four groups (empty ones left out): weight decay on weight matrices only; the
+    memory's parameters at `lr_mult` = mem_lr_mult x the scheduled lr, the rest at 1 x."""
     params = host.trainable_parameters()
     mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
     groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
@@ -241,14 +221,8 @@ def make_optimizer(host, lr, weight_decay, mem_lr_mult):
     return torch.optim.AdamW([dict(g, lr=lr * g["lr_mult"]) for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
 
-def set_lr(opt, lr):
-    for g in opt.param_groups:
-        g["lr"] = lr * g["lr_mult"]
-
-
 def rng_state(dev):
-    """The generators a training step draws from: the CPU's, and on a GPU `dev`'s own (without a device,
-    torch.cuda.get_rng_state() reads the current device's)."""
+    """The generators a training step draws from: the CPU's and, on a GPU, `dev`'s (not the current device's)."""
     return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
 
 
@@ -259,12 +233,10 @@ def set_rng_state(st, dev):
 
 
 # ---- Data -> host ------------------------------------------------------------------------------------------------
-
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files, before any frame
-    is encoded: every demo's shapes and dtypes, actions and states validated (data.check_values over all of them),
-    no pixels read. The frame size goes into the checkpoint: eval.py renders the simulator at the size the policy
-    was trained on."""
+    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files before any frame is
+    encoded: every demo's shapes, dtypes, actions and states validated (data.check_values), no pixels read. eval.py
+    renders the simulator at this frame size (saved in the checkpoint)."""
     vocab, demos, sizes = set(), [], {}  # sizes: (H, W) -> the first demo whose camera images have it
     for f in files:
         instr, ds = data.iter_demo_file(f, images=False)
@@ -279,25 +251,18 @@ def scan(files):
 
 
 def feature_cache_key(host):
-    """Everything the cached features depend on: tower, image size, tower weights, and for the vla host the number of
-    backbone layers whose keys, values and hidden states it stores and whether the position code joins the tokens."""
-    extra = dict(layers=host.cfg.vla_layers, pos=int(host.cfg.pos_code)) if host.cfg.host == "vla" else {}
-    return data.cache_key_for(host.cfg.vision, host.cfg.image_size, host=host.cfg.host, tower=host.tower.fingerprint(),
-                              **extra)
+    """Everything the cached features depend on: tower, image size and weights; vla: backbone layers, position code."""
+    c = host.cfg
+    extra = dict(host=c.host, tower=host.tower.fingerprint())
+    extra |= dict(layers=c.vla_layers, pos=int(c.pos_code)) if c.host == "vla" else {}
+    return "_".join([c.vision, f"{c.image_size}px"] + [f"{k}={v}" for k, v in sorted(extra.items())])
 
 
 def build_episodes(host, files, a, rank=0):
-    """Frozen features for every frame, cached on disk under feature_cache_key(host)."""
-    key = feature_cache_key(host)
-    eps = []
+    key, eps = feature_cache_key(host), []
     for f in files:  # one call per file: the vla backbone also sees that file's (frozen) instruction token
-        instr, _ = data.iter_demo_file(f, images=False)
-        ids = host.instr_ids([instr])
-
-        def encode(images, ids=ids):
-            n = next(iter(images.values())).shape[0]
-            return host.encode(images, ids.expand(n))
-
+        ids = host.instr_ids([data.iter_demo_file(f, images=False)[0]])  # [1]
+        encode = lambda images: host.encode(images, ids.expand(len(next(iter(images.values())))))  # noqa: E731
         eps += data.build_feature_cache([f], encode, key, a.cache_dir, use_cache=not a.no_cache, progress=rank == 0)
     return eps
 
@@ -309,8 +274,7 @@ def setup_distributed(a):
     """torchrun's environment -> (rank, world, wait). One GPU per process on each machine (LOCAL_RANK of
     LOCAL_WORLD_SIZE), NCCL between GPUs, gloo between CPU processes. wait() holds every rank until all got there,
     on a gloo group with the timeout RANK0_WAIT (NCCL's watchdog would abort a barrier after 10 minutes)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # processes on this machine
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
@@ -335,8 +299,7 @@ def setup_distributed(a):
 
 
 def main(argv=None):
-    """Train; a mistake in the command or its files (data.DataError, hosts.ConfigError) ends it with one line
-    naming the fix and exit status 2, as argparse does."""
+    """Train; a mistake in the command or its files (DataError, ConfigError) is one line naming the fix, exit 2."""
     try:
         return run(argv)
     except (data.DataError, ConfigError) as e:
@@ -345,14 +308,13 @@ def main(argv=None):
 
 def run(argv=None):
     a = get_args(argv)
-    out = Path(a.out)
+    out, ck = Path(a.out), None
     ckpt_path = out / "ckpt.pt"
-    ck = None
     if a.resume:
         if not ckpt_path.is_file():
             raise ConfigError(f"--resume: no checkpoint at {ckpt_path}; check --out, or train without --resume")
         ck = read_checkpoint(ckpt_path)
-        a = resume_args(a, ck["args"], given_flags(argv), ckpt_path)
+        a = resume_args(a, ck["args"], argv, ckpt_path)
     rank, world, wait = setup_distributed(a)
     if rank == 0:  # checkpoint writes of killed runs (save_checkpoint's temporary files)
         data.remove_stale_tmp(out.glob("ckpt.pt.tmp*"))
@@ -362,7 +324,6 @@ def run(argv=None):
     if ck is not None and ck["world"] != world:
         raise ConfigError(f"--resume: {ckpt_path} was trained by {ck['world']} process(es), this run has {world}: "
                           f"each process resumes its own streams")
-
     files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         wait()
@@ -381,7 +342,6 @@ def run(argv=None):
         torch.manual_seed(a.seed + rank)
     if ck is not None:
         load_weights(host, ck, ckpt_path)
-
     if rank == 0 and world > 1:
         build_episodes(host, files, a, rank)  # fill the cache once
     wait()
@@ -391,11 +351,8 @@ def run(argv=None):
                                                                   [e.actions for e in episodes])
     fd = data.FrameData(episodes[rank::world], stats=stats, vocab=vocab)
     sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
-
-    params = host.trainable_parameters()
-    opt = make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
-    mem_state = host.init_state(a.batch, dev)
-    step, losses = 0, []  # losses: the whole run's, for log.json
+    params, opt = host.trainable_parameters(), make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+    mem_state, step, losses = host.init_state(a.batch, dev), 0, []  # losses: the whole run's, for log.json
     if ck is not None:
         this_run = [(g["lr_mult"], g["weight_decay"]) for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
@@ -409,33 +366,30 @@ def run(argv=None):
             print(f"resumed from {ckpt_path} at step {step}")
 
     def checkpoint():
-        """Every rank contributes its sampler position, memory state and RNG; rank 0 writes. Weights that are no
-        longer finite are not written: the last good checkpoint stays."""
-        bad = nonfinite({n: p for n, p in host.named_parameters() if p.requires_grad})
-        if bad:
+        """Every rank gives its sampler position, memory state and RNG; rank 0 writes, never non-finite weights."""
+        trained = {n: p.detach() for n, p in host.named_parameters() if p.requires_grad}  # (the tower is not stored)
+        if bad := nonfinite(trained):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
         mine = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(), rng=rng_state(dev))
-        gathered = [mine]
+        gathered = [mine] if world == 1 else [None] * world
         if world > 1:
-            gathered = [None] * world
             dist.all_gather_object(gathered, mine)
         if rank == 0:
             save_checkpoint(ckpt_path, dict(
-                model=trainable_state(host), config=dataclasses.asdict(cfg), stats=fd.stats, vocab=vocab,
-                optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
+                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg), stats=fd.stats,
+                vocab=vocab, optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
                 mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
                 tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
                 losses=losses, frame_size=list(frame_hw)))
 
     host.train()
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
-    t0, frames = time.time(), 0
-    stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
+    t0, frames, stop = time.time(), 0, a.steps if a.stop_at is None else min(a.steps, a.stop_at)
     while step < stop:
         batch = fd.batch(sampler.next_window(), device=dev)
-        set_lr(opt, lr_at(step, a))
-        # TBPTT: each stream's state is carried over from its previous window (zeroed where an episode starts)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, a) * g["lr_mult"]
         loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
         frames += int(n)
@@ -463,7 +417,6 @@ def run(argv=None):
         dist.destroy_process_group()
     if rank == 0 and step >= a.steps and a.suite == data.MEMORY_SUITE and a.eval_episodes > 0:
         import eval as evaluation  # a quick pass on the embedded suite: the first command shows whether memory works
-
         # its own log folder, evaluated afresh: eval.py's default folder stays free for the full evaluation
         (out / "eval_quick" / "episodes.jsonl").unlink(missing_ok=True)
         evaluation.evaluate_checkpoints([str(ckpt_path)], trials=a.eval_episodes, seed=a.seed + 1000, device=a.device,
