@@ -29,8 +29,9 @@ import data
 from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
 from hosts import nonfinite, read_checkpoint, save_checkpoint
 
-# the embedded memory suite on 2 CPU cores in under 10 minutes (one memory layer there: more steps in that budget)
-DEFAULTS = dict(steps=1700, batch=16, window=16, chunk=4, lr=1e-3)
+# the embedded memory suite on 2 CPU cores in about 10 minutes of training (one memory layer there: more steps in that
+# budget); with fewer steps single tasks of some seeds stay far below the others
+DEFAULTS = dict(steps=2200, batch=16, window=16, chunk=4, lr=1e-3)
 # the vla host's defaults: expert depth = backbone depth 4; one memory stack (--mem-depth) over the last hidden
 # tokens, a quarter of the memory cost of four layer-aligned stacks
 VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
