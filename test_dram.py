@@ -56,10 +56,7 @@ def write_via_linalg_solve(S, K, V, w, gamma):
     return S_bar + torch.linalg.solve(A, K.mT @ (w[..., None] * (V - K @ S_bar)))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# dram.py: functional core
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== dram.py: functional core =================================================================================
 
 def test_write_weights_and_read_closed_forms():
     """w = min(beta, 0.99) / (1 - min(beta, 0.99)) p (eq. write-gate), read = Q S / sqrt(d_k) (eq. read)."""
@@ -76,8 +73,7 @@ def test_normal_equation_float64(N):
     """A S_new = S_bar + K^T W V to 1e-10 (eq. app-normal) for N < dk, N = dk, N > dk, also with repeated keys and
     with a rank-2 key set (A stays SPD through the anchor); and S_new = A^{-1}(S_bar + K^T W V) (eq. closed-form)."""
     S, K, V, w, gamma = rand_frame(2, 3, N=N, dk=8, dv=5, seed=N)
-    repeated = K.clone()
-    repeated[..., N // 2:, :] = K[..., : N - N // 2, :]
+    repeated = torch.cat([K[..., :N // 2, :], K[..., :N - N // 2, :]], -2)  # the second half repeats the first
     g = torch.Generator().manual_seed(N)
     rank2 = F.normalize(torch.randn(2, 3, N, 2, dtype=f64, generator=g) @ torch.randn(2, 8, dtype=f64, generator=g), -1)
     for keys in (K, repeated, rank2):
@@ -94,29 +90,24 @@ def test_custom_backward_equals_autograd_through_linalg_solve(lead, N, dk, dv):
     """The backward of eqs. (app-adjoint) / (app-grads) equals autograd through torch.linalg.solve, in float64, at
     small sizes and at the hosts' dk = 64 with N below and above dk."""
     S, K, V, w, gamma = rand_frame(*lead, N=N, dk=dk, dv=dv, seed=N, wmax=99.0)
-    G = torch.randn(*lead, dk, dv, dtype=f64)
-
-    grads = []
+    G, grads = torch.randn(*lead, dk, dv, dtype=f64), []
     for fn in (write_via_linalg_solve, joint_write):
         args = [t.clone().requires_grad_(True) for t in (S, K, V, w, gamma)]
         out = fn(*args)
         assert normal_residual(out.detach(), S, K, V, w, gamma) < 1e-9
         (out * G).sum().backward()
         grads.append([a.grad for a in args])
-    for ours, ref in zip(grads[1], grads[0]):
-        assert (ours - ref).abs().max() < 1e-9 * max(1.0, ref.abs().max().item())
+    assert all((ours - ref).abs().max() < 1e-9 * max(1.0, ref.abs().max().item()) for ours, ref in zip(*grads[::-1]))
 
 
 def test_permutation_invariance_and_sequential_counterexample():
     S, K, V, w, gamma = rand_frame(2, N=9, dk=8, dv=5, seed=7)
     perm = torch.randperm(9, generator=torch.Generator().manual_seed(1))
-    a = joint_write(S, K, V, w, gamma)
-    b = joint_write(S, K[:, perm], V[:, perm], w[:, perm], gamma)
+    a, b = joint_write(S, K, V, w, gamma), joint_write(S, K[:, perm], V[:, perm], w[:, perm], gamma)
     assert (a - b).abs().max() < 1e-10
     # Appendix counterexample: scalar state, gamma = 1, beta = 1, tokens (k, v) = (1, 1) and (1, 0).
     S0, K, one = torch.zeros(1, 1, dtype=f64), torch.ones(2, 1, dtype=f64), torch.tensor(1.0, dtype=f64)
-    V = torch.tensor([[1.0], [0.0]], dtype=f64)
-    beta = torch.ones(2, dtype=f64)
+    V, beta = torch.tensor([[1.0], [0.0]], dtype=f64), torch.ones(2, dtype=f64)
     assert sequential_delta_write(S0, K, V, beta, one).item() == 0.0  # order decides: the last token wins
     assert sequential_delta_write(S0, K, V.flip(0), beta, one).item() == 1.0
     for Vo in (V, V.flip(0)):  # capped weights 99 each: (0 + 99 * 1 + 99 * 0) / (1 + 198), in either order
@@ -141,32 +132,24 @@ def test_single_token_and_bounded_evidence(n, b):
 
 def test_masking_padding_and_empty_frames():
     S, K, V, w, gamma = rand_frame(3, N=10, dk=8, dv=5, seed=13)
-    p = torch.ones(3, 10, dtype=torch.bool)
-    p[:, 4:] = False
+    p = torch.arange(10).expand(3, 10) < 4  # [3, 10]: 4 valid tokens per row
     beta = torch.sigmoid(torch.randn(3, 10, dtype=f64))
-    # padded tokens (even with garbage values) change nothing versus dropping them
-    V_garbage = V.clone()
-    V_garbage[:, 4:] = 1e6
-    padded = joint_write(S, K, V_garbage, write_weights(beta, p), gamma)
-    dropped = joint_write(S, K[:, :4], V[:, :4], write_weights(beta[:, :4]), gamma)
-    assert (padded - dropped).abs().max() < 1e-10
+    V_garbage = torch.cat([V[:, :4], torch.full_like(V[:, 4:], 1e6)], 1)  # padded tokens, even holding garbage,
+    padded = joint_write(S, K, V_garbage, write_weights(beta, p), gamma)  # change nothing versus dropping them
+    assert (padded - joint_write(S, K[:, :4], V[:, :4], write_weights(beta[:, :4]), gamma)).abs().max() < 1e-10
     # fully padded (invalid) frames: state untouched, no decay - exactly
-    valid = torch.tensor([True, False, True])
-    out = joint_write(S, K, V, w, gamma, frame_valid=valid)
+    out = joint_write(S, K, V, w, gamma, frame_valid=torch.tensor([True, False, True]))
     assert torch.equal(out[1], S[1])
     assert (out[0] - joint_write(S[0], K[0], V[0], w[0], gamma[0])).abs().max() < 1e-12
     # valid frame, all weights zero: exactly gamma * S
-    out0 = joint_write(S, K, V, torch.zeros_like(w), gamma)
-    assert torch.equal(out0, gamma[:, None, None] * S)
+    assert torch.equal(joint_write(S, K, V, torch.zeros_like(w), gamma), gamma[:, None, None] * S)
     # empty frame (N = 0 write tokens): the decayed state
-    out_empty = joint_write(S, K[:, :0], V[:, :0], w[:, :0], gamma)
-    assert (out_empty - gamma[:, None, None] * S).abs().max() < 1e-12
+    assert (joint_write(S, K[:, :0], V[:, :0], w[:, :0], gamma) - gamma[:, None, None] * S).abs().max() < 1e-12
 
 
 def test_conditioning_bound_at_cap():
-    """cond(A) <= 1 + 99 N with every gate at the cap (eq. app-conditioning), for adversarial (identical) keys, and
-    the joint write at that conditioning: the float64 result solves the normal equation to rounding, and the
-    float32 one stays within 10 cond(A) 2^-24 of it (a method that squared the conditioning would not)."""
+    """cond(A) <= 1 + 99 N with all gates at the cap (eq. app-conditioning), attained by identical keys; there float64
+    solves eq. (app-normal) to rounding and float32 stays within 10 cond(A) 2^-24 (squaring cond(A) would not)."""
     g = torch.Generator().manual_seed(23)
     for N in (4, 16, 64):
         K = F.normalize(torch.randn(N, 32, dtype=f64, generator=g), dim=-1)
@@ -186,15 +169,13 @@ def test_conditioning_bound_at_cap():
 
 
 def fp32_matmul_settings():
-    """Every place torch keeps the fp32 matmul precision: the legacy setting, what cuBLAS reads (torch >= 2.9
-    checks there that the legacy and the new API agree, 'MIXED' where it would refuse), and the new per-backend
-    fields (torch >= 2.9)."""
+    """Every place torch keeps the fp32 matmul precision: the legacy setting, what cuBLAS reads ('MIXED' where torch
+    >= 2.9 refuses a legacy / new API disagreement), and the new per-backend fields (torch >= 2.9)."""
     def get(f):
         try:
             return f()
         except RuntimeError:
             return "MIXED"
-
     b = torch.backends
     out = dict(legacy=get(torch.get_float32_matmul_precision), cublas_tf32=get(torch._C._get_cublas_allow_tf32))
     if hasattr(b.cuda.matmul, "fp32_precision"):
@@ -215,24 +196,19 @@ TF32_ON = {
 @pytest.mark.parametrize("how", list(TF32_ON))
 def test_joint_write_keeps_tf32_off_in_forward_and_backward(how):
     """Appendix (numerics): however the user turned TF32 on, every matmul of the joint write's forward and backward
-    sees TF32 off where cuBLAS reads it (no legacy / new API disagreement, which cuBLAS refuses) and oneDNN at ieee;
-    the user's settings are all back afterwards."""
+    sees TF32 off where cuBLAS reads it (APIs agreeing) and oneDNN at ieee; the user's settings are back afterwards."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    b = torch.backends
-    new_api = hasattr(b.cuda.matmul, "fp32_precision")
+    b, new_api = torch.backends, hasattr(torch.backends.cuda.matmul, "fp32_precision")
     if how in ("cuda.matmul.fp32_precision", "backends.fp32_precision") and not new_api:
         pytest.skip("torch < 2.9 has no per-backend fp32_precision")
     default = fp32_matmul_settings()
     assert default["cublas_tf32"] is False
-
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.__name__.split(".")[0] in ("mm", "bmm", "baddbmm", "addmm"):
                 now = fp32_matmul_settings()
                 seen.append((now["cublas_tf32"], now.get("mkldnn", "ieee")))
             return func(*args, **(kwargs or {}))
-
     try:
         TF32_ON[how](b)
         user = fp32_matmul_settings()
@@ -255,8 +231,7 @@ def test_joint_write_keeps_tf32_off_in_forward_and_backward(how):
 
 
 def test_gradcheck_float64():
-    """Finite differences against the custom backward: one frame with N < dk and N > dk, and a window of 3 frames
-    whose second frame is padded in one row."""
+    """Finite differences vs the custom backward: N < dk, N > dk, and a 3-frame window, frame 2 padded in one row."""
     for N in (3, 9):
         S, K, V, w, gamma = rand_frame(2, N=N, dk=5, dv=3, seed=17)
         args = [t.clone().requires_grad_(True) for t in (S, K, V, w + 0.1, gamma)]
@@ -274,27 +249,22 @@ def test_float32_solve_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = joint_write(S, K.bfloat16(), V.bfloat16(), w.bfloat16(), gamma)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
-    rel = (out - ref).norm() / ref.norm()
-    assert rel < 2e-2  # bf16 input rounding (~4e-3 per entry) propagated through a well-posed solve
+    assert (out - ref).norm() / ref.norm() < 2e-2  # bf16 input rounding (~4e-3 per entry) through a well-posed solve
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# dram.py: the layer
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== dram.py: the layer =======================================================================================
 
 def small_cfg(**kw):
-    base = dict(d_q=24, d_k=20, d_v=16, n_heads=2, head_dk=8, head_dv=6)
-    base.update(kw)
-    return DRAMConfig(**base)
+    return DRAMConfig(**{**dict(d_q=24, d_k=20, d_v=16, n_heads=2, head_dk=8, head_dv=6), **kw})
 
 
 def trained_like(layer, seed=0):
-    """Perturb every parameter so that zero-initialised branches are live (tests must not pass by zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    """Perturb every parameter (a stack's layers alike): zero-initialised branches live, tests cannot pass by zeros."""
+    for m in getattr(layer, "layers", [layer]):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return layer
 
 
@@ -308,8 +278,7 @@ def test_fresh_layer_is_exact_identity_with_the_initial_gates():
         S = torch.randn(3, 2, 8, 6)  # even with a non-empty memory
         y, R, _ = layer(xq, xk, xv, S)
         assert torch.equal(y, xq) and R.abs().sum() > 0
-        ys, _, _ = layer.step(xq[:, 0], xk[:, 0], xv[:, 0], S)
-        assert torch.equal(ys, xq[:, 0])
+        assert torch.equal(layer.step(xq[:, 0], xk[:, 0], xv[:, 0], S)[0], xq[:, 0])
     layer = DRAMLayer(small_cfg(n_heads=4))
     _, _, _, w, gamma = layer.project(torch.randn(2, 5, 24), torch.randn(2, 7, 20), torch.randn(2, 7, 16))
     assert torch.allclose(w, torch.ones_like(w))
@@ -318,9 +287,8 @@ def test_fresh_layer_is_exact_identity_with_the_initial_gates():
 
 
 def test_gates_follow_their_closed_forms():
-    """eq. (retention) and eq. (write-gate) written out in float64 against project() on a perturbed layer, with
-    padded write tokens holding garbage: gamma reads the mask-aware mean of the normalised rows g_i = LN(x_i),
-    beta is capped at 0.99, w is the capped odds times p_i (0 for padded tokens)."""
+    """eqs. (retention), (write-gate) in float64 against project(), padded tokens holding garbage: gamma reads the
+    masked mean of g_i = LN(x_i), beta is capped at 0.99, w is the capped odds times p_i (0 for padded tokens)."""
     layer = trained_like(DRAMLayer(small_cfg(n_heads=3))).double().requires_grad_(False)
     layer.write_gate.bias[0] = 6.0  # head 0 past the cap
     g = torch.Generator().manual_seed(5)
@@ -352,8 +320,7 @@ def test_padded_write_tokens_change_nothing_in_the_layer():
     layer = trained_like(DRAMLayer(small_cfg())).double()
     g = torch.Generator().manual_seed(9)
     xq, xk, xv = (torch.randn(2, n, d, dtype=f64, generator=g) for n, d in ((5, 24), (7, 20), (7, 16)))
-    S = torch.randn(2, 2, 8, 6, dtype=f64, generator=g)
-    n_valid = [7, 4]
+    S, n_valid = torch.randn(2, 2, 8, 6, dtype=f64, generator=g), [7, 4]
     mask = torch.arange(7)[None] < torch.tensor(n_valid)[:, None]  # [2, 7]
     xk[1, 4:], xv[1, 4:] = 1e3, -1e3  # garbage in the padded rows
     outs = layer.step(xq, xk, xv, S, kv_mask=mask)
@@ -363,8 +330,7 @@ def test_padded_write_tokens_change_nothing_in_the_layer():
 
 
 def test_read_before_write():
-    """Changing frame t's write sources changes nothing at frames <= t (eq. read: S_{t-1}), but frame t + 1 and
-    the state do."""
+    """Changing frame t's write sources leaves frames <= t as they were (eq. read: S_{t-1}), not t + 1 or the state."""
     torch.manual_seed(1)
     layer = trained_like(DRAMLayer(small_cfg()))
     X, S = [torch.randn(2, 4, 5, 24), torch.randn(2, 4, 7, 20), torch.randn(2, 4, 7, 16)], torch.randn(2, 2, 8, 6)
@@ -388,15 +354,13 @@ def test_window_forward_equals_step_loop_with_masks_and_grads():
         if cfg is shared:
             xq = xk = xv = torch.randn(B, T, N, cfg.d_q, dtype=f64)
             qm = km
-        fv = torch.ones(B, T, dtype=torch.bool)
-        fv[0, 4:] = False  # episode ended inside the window
+        fv = torch.arange(T).expand(B, T) < torch.tensor([4, T, T])[:, None]  # row 0's episode ended inside the window
         S0 = torch.randn(B, cfg.n_heads, cfg.head_dk, cfg.head_dv, dtype=f64)
         y, R, S_T = layer(xq, xk, xv, S0, qm, km, fv)
         S, ys, Rs = S0, [], []
         for t in range(T):
             yt, Rt, S = layer.step(xq[:, t], xk[:, t], xv[:, t], S, qm[:, t], km[:, t], fv[:, t])
-            ys.append(yt)
-            Rs.append(Rt)
+            ys, Rs = ys + [yt], Rs + [Rt]
         close = lambda a, b: ((a - b).abs().max() / b.abs().max()).item() < 1e-12  # float64, relative
         assert close(y, torch.stack(ys, 1)) and close(R, torch.stack(Rs, 1)) and close(S_T, S)
         # padded frames pass through: no read, y = x_q
@@ -404,28 +368,21 @@ def test_window_forward_equals_step_loop_with_masks_and_grads():
         # gradients agree too (the window backward runs the adjoint recurrence in reverse time)
         g1 = torch.autograd.grad((y.pow(2).sum() + S_T.sum()), list(layer.parameters()), allow_unused=True)
         g2 = torch.autograd.grad(torch.stack(ys, 1).pow(2).sum() + S.sum(), list(layer.parameters()), allow_unused=True)
-        for a, b in zip(g1, g2):
-            if a is not None:
-                assert close(a, b)
+        assert all(a is None or close(a, b) for a, b in zip(g1, g2))
 
 
 def test_layer_and_stack_cast_to_bf16_run_with_fp32_gates_and_state():
-    """model.bfloat16() (bf16 deployment) runs window and step with fp32 gates and state, close to the fp32 module
-    with the same rounded weights; an fp32 module under bf16 autocast keeps an fp32 state, fp32 gates equal to its
-    own without autocast (a retention bias near -7 in bf16 moves the decay rate ~1 %) and unit fp32 keys (a
-    bf16-rounded norm is off by up to 2^-8)."""
+    """model.bfloat16() runs window and step with fp32 gates and state, close to fp32 with the same rounded weights;
+    an fp32 module under bf16 autocast keeps an fp32 state, fp32 gates equal to its own without autocast (a bf16
+    retention bias near -7 moves the decay ~1 %) and unit fp32 keys (a bf16-rounded norm is off by up to 2^-8)."""
     torch.manual_seed(3)
     layer = trained_like(DRAMLayer(small_cfg(d_k=24, d_v=24)))
     with torch.no_grad():
         layer.retention.bias.fill_(-6.9)
-    for mod in (layer, DRAMStack(small_cfg(d_k=24, d_v=24, mixer=True, mixer_heads=2), depth=2)):
-        if isinstance(mod, DRAMStack):
-            for l in mod.layers:
-                trained_like(l)
+    for mod in (layer, trained_like(DRAMStack(small_cfg(d_k=24, d_v=24, mixer=True, mixer_heads=2), depth=2))):
         m16 = copy.deepcopy(mod).bfloat16()
         m32 = copy.deepcopy(m16).float()  # the same rounded weights in fp32
-        x = torch.randn(2, 4, 7, 24).bfloat16()
-        S0 = m16.init_state(2)
+        x, S0 = torch.randn(2, 4, 7, 24).bfloat16(), m16.init_state(2)
         args = (x, x, x, S0) if isinstance(mod, DRAMLayer) else (x, S0)
         args32 = tuple(a.float() for a in args)
         out16, out32 = m16(*args), m32(*args32)
@@ -451,11 +408,8 @@ def test_layer_and_stack_cast_to_bf16_run_with_fp32_gates_and_state():
 
 def test_fixed_size_state_long_unroll():
     torch.manual_seed(4)
-    stack = DRAMStack(DRAMConfig(d_q=16, d_k=16, d_v=16, n_heads=2, head_dk=8, head_dv=8), depth=2)
-    for l in stack.layers:
-        trained_like(l)
-    S = stack.init_state(2)
-    shape = S.shape
+    stack = trained_like(DRAMStack(DRAMConfig(d_q=16, d_k=16, d_v=16, n_heads=2, head_dk=8, head_dv=8), depth=2))
+    S, shape = stack.init_state(2), (2, 2, 2, 8, 8)  # [B, depth, H, dk, dv]
     with torch.no_grad():
         for _ in range(40):  # 40 windows x 50 frames = 2,000 frames
             y, S = stack(torch.randn(2, 50, 6, 16) * 3, S)
@@ -477,8 +431,7 @@ def test_stack_state_helpers_shapes_and_config_errors():
     assert y.shape == (2, 3, 5, 24) and R.shape == (2, 3, 5, 12) and S.shape == (2, 2, 8, 6)
     for make, name in ((lambda: DRAMStack(DRAMConfig(d_q=16, d_k=8, d_v=16)), "shared-source"),
                        (lambda: DRAMLayer(small_cfg(d_k=20, kv_proj=False)), "kv_proj")):
-        with pytest.raises(ValueError, match=name):
-            make()
+        pytest.raises(ValueError, make).match(name)
 
 
 # =================================================================================================================
@@ -487,6 +440,7 @@ def test_stack_state_helpers_shapes_and_config_errors():
 import h5py
 import numpy as np
 
+import bench
 import data
 import dram
 import eval as ev
@@ -497,18 +451,11 @@ from hosts import HostConfig, make_host
 
 def usage_error(main, argv, capsys):
     """What a script's argument check prints when it refuses argv (argparse: exit status 2 and a message)."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
+    assert pytest.raises(SystemExit, main, argv).value.code == 2
     return capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# hosts.py: the two integration patterns
-# ---------------------------------------------------------------------------------------------------------------
-
-HOST_KINDS = [("dit", "hidden"), ("vla", "native_kv"), ("vla", "hidden"), ("vla", "last_hidden")]
-
+# ==== hosts.py: the two integration patterns ===================================================================
 
 def tiny_host(kind, write_source="hidden", memory="dram", seed=0, **kw):
     torch.manual_seed(seed)
@@ -544,7 +491,6 @@ def test_tower_weights_from_a_file_or_the_hub(tmp_path, monkeypatch):
     import huggingface_hub
     import timm
     from timm.models._hub import save_for_hf
-
     torch.manual_seed(1)
     sd = timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict()  # as on the hub: 224 px, head
     torch.save(sd, tmp_path / "w.pth")
@@ -557,8 +503,7 @@ def test_tower_weights_from_a_file_or_the_hub(tmp_path, monkeypatch):
     # 32 px / 16 = 2 x 2 patches + the class token, whose embedding is kept
     assert got["pos_embed"].shape == (1, 1 + 2 * 2, 192) and torch.equal(got["pos_embed"][0, 0], sd["pos_embed"][0, 0])
     for f in ("other.pth", "notes.txt"):
-        with pytest.raises(hosts.ConfigError, match=rf"--weights-file .*{f}"):
-            tower(weights_file=str(tmp_path / f))
+        pytest.raises(hosts.ConfigError, tower, weights_file=str(tmp_path / f)).match(rf"--weights-file .*{f}")
     save_for_hf(timm.create_model("vit_tiny_patch16_224", pretrained=False), str(tmp_path / "ld"))
     assert tower(vision=f"local-dir:{tmp_path / 'ld'}", pretrained=True).width == 192
     monkeypatch.setattr(hosts, "hub_reachable", lambda timeout=3.0: False)
@@ -571,12 +516,10 @@ def test_tower_weights_from_a_file_or_the_hub(tmp_path, monkeypatch):
     assert (True, True) in seen and not huggingface_hub.constants.HF_HUB_OFFLINE  # offline (no retries) inside only
 
 
-
-@pytest.mark.parametrize("kind,ws", HOST_KINDS)
+@pytest.mark.parametrize("kind,ws", [("dit", "hidden")] + [("vla", w) for w in ("native_kv", "hidden", "last_hidden")])
 def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
-    """Sec. 3.2: a fresh DRAM host's actions do not depend on the episode's past (zero-initialised FUSE output); the
-    DiT host then equals the memoryless baseline, the vla host's prefix is a history-free constant. ctx_t = f(frame
-    t, S_{t-1}) reading no values; the host's own weights train."""
+    """Sec. 3.2: a fresh host's actions ignore the episode's past (zero-init FUSE output): DiT equals the memoryless
+    baseline, vla's prefix is a history-free constant. ctx_t = f(frame t, S_{t-1}) reads no values; the host trains."""
     mem, base = tiny_host(kind, ws), tiny_host(kind, ws, memory="none")
     assert not base.load_state_dict(mem.state_dict(), strict=False).missing_keys  # the same host minus the memory
     feats, instr, b = random_window(mem, T=4)
@@ -632,7 +575,6 @@ def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
     assert all(p.grad is None and torch.equal(frozen[n], p) for n, p in host.tower.named_parameters())
 
 
-
 def test_flow_matching_convention_tau_and_masked_loss():
     """eq. (fm): tau ~ 0.999 Beta(1.5, 1) + 0.001 (KS test), Euler lands on a0, loss = mean over valid actions."""
     n = 20000
@@ -657,8 +599,7 @@ def test_flow_matching_convention_tau_and_masked_loss():
     hosts.sample_tau(3, torch.device("cpu"))  # the same draws as fm_loss: tau, then eps
     eps = torch.randn_like(a0)
     torch.testing.assert_close(loss, torch.stack([((eps - a0)[f][mask[f]] ** 2).mean() for f in range(3)]))
-    moved = a0.clone()
-    moved[~mask] += 100.0  # actions past the episode end do not count
+    moved = torch.where(mask[..., None], a0, a0 + 100.0)  # actions past the episode end do not count
     torch.manual_seed(2)
     torch.testing.assert_close(zero.fm_loss(None, None, None, moved, mask), loss)
 
@@ -694,18 +635,15 @@ def test_dit_head_conditions_on_the_instruction():
     v0 = velocity([0, 0])
     assert (velocity([1, 1]) - v0).abs().max() > 1e-3
     with torch.no_grad():  # the same shift moved into the time MLP's output bias gives the same velocity
-        shift = head.instr_cond.weight[0].clone()
+        head.t_mlp[-1].bias.add_(head.instr_cond.weight[0])
         head.instr_cond.weight.zero_()
-        head.t_mlp[-1].bias.add_(shift)
     assert torch.allclose(velocity([1, 0]), v0, atol=1e-6)
-
 
 
 def test_vla_encode_runs_the_backbone_blocks():
     """vla features: [text | patches] -> norm_pre -> blocks 1..L, native k / v and hidden per layer, by hand."""
     host = tiny_host("vla", "native_kv", vocab=("place it", "x", "pick it"))  # any vocabulary order
-    vit = host.tower.model
-    D, L = host.D, host.cfg.vla_layers
+    vit, D, L = host.tower.model, host.D, host.cfg.vla_layers
     vit.norm_pre = torch.nn.LayerNorm(D)  # as in CLIP-style towers, with random affine
     vit.norm_pre.load_state_dict({"weight": 1 + 0.3 * torch.randn(D), "bias": 0.3 * torch.randn(D)})
     g = torch.Generator().manual_seed(4)
@@ -729,20 +667,17 @@ def test_vla_encode_runs_the_backbone_blocks():
     assert not tiny_host("vla", pos_code=False).pos_code.any()
 
 
-
 def test_memory_prefix_keys_are_not_rotated():
     """pi0.5 host: one softmax over [prefix (position -1, keys not rotated) | backbone keys 0..m-1 | own keys
     m..m+n-1], every key RMS-normalised per head; the gated-prefix ablation is an exact no-op at initialisation."""
     torch.manual_seed(0)
     layer = hosts.ExpertLayer(d=16, n_heads=2, memory=True)
     B, n, m, M, d, h = 2, 3, 5, 4, 16, 2
-    x, temb = torch.randn(B, n, d), torch.randn(B, d)
-    kv_l, prefix = torch.randn(B, 2, m, d), torch.randn(B, M, d)
+    x, temb, kv_l, prefix = torch.randn(B, n, d), torch.randn(B, d), torch.randn(B, 2, m, d), torch.randn(B, M, d)
     heads = lambda z: z.view(B, z.shape[1], h, d // h).transpose(1, 2)  # [B, h, *, d/h]
     unit = lambda z: z / z.pow(2).mean(-1, keepdim=True).sqrt()  # per-head RMS normalisation
     q, k, v = (heads(z) for z in layer.qkv(layer.norm1(x, temb)).chunk(3, -1))
-    pos_own = torch.arange(m, m + n)
-    k_pre = unit(heads(layer.pre_k(prefix)))
+    pos_own, k_pre = torch.arange(m, m + n), unit(heads(layer.pre_k(prefix)))
     k_all = lambda kp: torch.cat([kp, hosts.rope(unit(heads(kv_l[:, 0])), torch.arange(m)),
                                   hosts.rope(unit(k), pos_own)], 2)  # [B, h, M + m + n, d/h]
     v_all = torch.cat([heads(layer.pre_v(prefix)), heads(kv_l[:, 1]), v], 2)
@@ -761,28 +696,21 @@ def test_memory_prefix_keys_are_not_rotated():
     assert dot(3.0, 1.0).item() == pytest.approx(dot(10.0, 8.0).item(), abs=1e-5)
 
 
-
 def test_host_errors_name_the_flag_or_key():
     host = tiny_host("dit")
-    with pytest.raises(KeyError, match="open the drawer"):
-        host.instr_ids(["pick it", "open the drawer"])
+    pytest.raises(KeyError, host.instr_ids, ["pick it", "open the drawer"]).match("open the drawer")
     assert host.instr_ids(["place it", "pick it"]).tolist() == [1, 0]
-    for make, flag in ((lambda: make_host("dit", HostConfig(vision="vit_small_patch14_dinov2", image_size=64)),
-                        "--image-size 64"), (lambda: HostConfig(write_source="kv"), "--write-source"),
-                       (lambda: HostConfig(memory="lstm"), "--memory"),
-                       (lambda: make_host("rnn", HostConfig()), "--host"),
-                       (lambda: make_host("dit", HostConfig(vision="vit_huge_typo")), "--vision vit_huge_typo"),
-                       (lambda: make_host("vla", HostConfig(vla_layers=13)), "--vla-layers 13")):
+    for kind, kw, flag in (("dit", dict(vision="vit_small_patch14_dinov2", image_size=64), "--image-size 64"),
+                           ("dit", dict(write_source="kv"), "--write-source"), ("dit", dict(memory="lstm"), "--memory"),
+                           ("rnn", {}, "--host"), ("dit", dict(vision="vit_huge_typo"), "--vision vit_huge_typo"),
+                           ("vla", dict(vla_layers=13), "--vla-layers 13")):  # HostConfig or make_host refuses
         with pytest.raises(hosts.ConfigError, match=flag):
-            make()
+            make_host(kind, HostConfig(**kw))
     with pytest.raises(KeyError, match="eye_in_hand_rgb"):
         host.encode({"agentview_rgb": torch.zeros(1, 32, 32, 3, dtype=torch.uint8)})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# data.py: LIBERO HDF5 schema, validation errors, statistics, feature cache, TBPTT sampler, embedded suite
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== data.py: LIBERO HDF5 schema, validation errors, statistics, feature cache, TBPTT sampler, embedded suite ====
 
 def make_demo(rng, T, H=8, W=10):
     return {"agentview_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
@@ -861,14 +789,12 @@ def _corrupt(tmp_path, changes):
     (INFO, "{not json", None), (INFO, json.dumps({"language_instruction": [1, 2]}), "language_instruction"),
     (INFO, json.dumps({"language_instruction": " "}), "language_instruction")])
 def test_bad_input_raises(tmp_path, key, value, named):
-    """Named by file and key, and found before any frame is encoded: by train.scan (no pixels read) and by the
-    feature cache, whose encoder here fails if called."""
+    """Named by file and key before any frame is encoded: by train.scan (no pixels read) and by the feature cache."""
     p = _corrupt(tmp_path, {key: value})
     never = mock.Mock(side_effect=AssertionError("a frame was encoded"))
     for reader in (data.read_demo_file, lambda p: train.scan([p]),
                    lambda p: data.build_feature_cache([p], never, "k", tmp_path / "cache", progress=False)):
-        with pytest.raises(data.DataError) as e:
-            reader(p)
+        e = pytest.raises(data.DataError, reader, p)
         assert str(p) in str(e.value) and (named or key) in str(e.value)
 
 
@@ -877,8 +803,7 @@ def test_scan_checks_frame_size_and_action_width(tmp_path):
     (A file that is not HDF5 or damaged: test_damaged_hdf5_is_named.)"""
     p = _corrupt(tmp_path, {f"{D1}obs/{c}": np.zeros((5, 4, 4, 3), np.uint8) for c in data.CAMERAS})
     data.read_demo_file(p)
-    with pytest.raises(data.DataError, match=r"bad_demo.hdf5: data/demo_0.*bad_demo.hdf5: data/demo_1"):
-        train.scan([p])
+    pytest.raises(data.DataError, train.scan, [p]).match(r"bad_demo.hdf5: data/demo_0.*bad_demo.hdf5: data/demo_1")
     a = write_libero(tmp_path / "a_demo.hdf5", [make_demo(np.random.default_rng(4), 4)])
     b = _corrupt(tmp_path, {D1 + "actions": np.zeros((5, 6))})  # train.scan checks every demo, before encoding
     with pytest.raises(data.DataError, match=r"bad_demo.hdf5: data/demo_1/actions.*a_demo.hdf5: data/demo_0/actions"):
@@ -890,9 +815,8 @@ def test_scan_checks_frame_size_and_action_width(tmp_path):
     ("actions", 1e30, True), ("actions", 1e4, True), ("actions", -1.01, True), ("obs/ee_states", 1e4, True),
     ("obs/gripper_states", -1e30, True), ("actions", -1.0, False), ("obs/ee_states", 2 * np.pi, False)])
 def test_absurd_finite_values_are_refused_by_name(tmp_path, capsys, key, value, refused):
-    """One finite value in one demo would set its dimension's normalisation std: an action outside LIBERO's [-1, 1]
-    or a state far outside what the suite's frames span is refused by train.py (before encoding) and data.py, one
-    line naming file, demo and key. Values at legitimate extremes pass."""
+    """One absurd finite value would set its dimension's std: an action outside LIBERO's [-1, 1] or a far-out state is
+    refused by train.py (before encoding) and data.py in one line naming file, demo and key; legit extremes pass."""
     rng = np.random.default_rng(7)
     (tmp_path / "libero_10").mkdir()
     good = write_libero(tmp_path / "libero_10" / "a_demo.hdf5", [make_demo(rng, 6) for _ in range(3)])
@@ -909,9 +833,8 @@ def test_absurd_finite_values_are_refused_by_name(tmp_path, capsys, key, value, 
 
 
 def test_damaged_hdf5_is_named(tmp_path, capsys, recwarn):  # recwarn: damaged groups also warn
-    """A corrupt compressed image chunk, and each zeroed 512-byte block of a file (metadata or data): read, or a
-    DataError naming the file (and demo and key where known) from train.scan (before encoding) and data.py (one
-    line, exit status 2), never h5py's bare errors."""
+    """A corrupt lzf chunk, and each zeroed 512-byte block of a file: read, or a DataError naming the file (demo and
+    key where known) from train.scan (before encoding) and data.py (one line, exit 2), never h5py's bare errors."""
     img = np.zeros((5, 8, 10, 3), np.uint8)
     img[:, 2:5] = 200  # flat colours: lzf compresses each frame's chunk (random pixels would be stored raw)
     p = tmp_path / "libero_10" / "x_demo.hdf5"
@@ -922,8 +845,7 @@ def test_damaged_hdf5_is_named(tmp_path, capsys, recwarn):  # recwarn: damaged g
         chunk = f["data/demo_1/obs/eye_in_hand_rgb"].id.get_chunk_info(2)
     assert chunk.filter_mask == 0  # lzf applied
     p.write_bytes(good[:chunk.byte_offset] + b"\xff" * chunk.size + good[chunk.byte_offset + chunk.size:])
-    with pytest.raises(data.DataError, match=re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb")):
-        data.read_demo_file(p)
+    pytest.raises(data.DataError, data.read_demo_file, p).match(re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb"))
     metadata = 0  # blocks whose zeroing train.scan (no pixels read) reports
     for at in [None] + list(range(0, len(good), 512)):  # None: the corrupt chunk
         if at is not None:
@@ -959,9 +881,8 @@ def test_a_named_data_folder_is_only_read(tmp_path, monkeypatch, capsys):
     assert [f.name for f in mine.iterdir()] == [made[0].name] and not (tmp_path / "run").exists()
     with h5py.File(mine / made[0].name, "w") as f:
         f.create_group("demos")
-    with pytest.raises(data.DataError, match=rf"{made[0].name}: no 'data' group") as e:
-        data.find_demo_files(mine.parent, "memory", **one)
-    assert "--overwrite" not in str(e.value)  # not taken for a file of an older MEMORY_SUITE_VERSION
+    e = pytest.raises(data.DataError, data.find_demo_files, mine.parent, "memory", **one)  # not taken for a file of
+    assert e.match(rf"{made[0].name}: no 'data' group") and "--overwrite" not in str(e.value)  # an older suite version
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -1030,8 +951,7 @@ def test_sampler_streams_batches_and_resume():
     others = {"B": sampler(b=B + 1), "T": sampler(t=T + 1), "seed": sampler(seed=1),
               "lengths_sha": sampler(ls=lengths[:-1] + [3])}  # same count, other data
     for key, other in others.items():  # each mismatch is refused, naming the setting
-        with pytest.raises(data.DataError, match=key):
-            other.load_state_dict(sd)
+        pytest.raises(data.DataError, other.load_state_dict, sd).match(key)
 
 
 def test_feature_cache_reuse_and_invalidation(tmp_path):
@@ -1043,7 +963,6 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
                                                           for c in data.CAMERAS], 1).float())  # [B, 4, 3]
     cache = tmp_path / "cache"  # enc: tokens = upright corner pixels of each camera (orientation, content checkable)
     build = lambda key="fake_8px", fn=enc, **kw: data.build_feature_cache([p], fn, key, cache, progress=False, **kw)
-
     def check(eps, demos):  # float16; upright [0,0] = raw [-1,-1]; tokens[:, 3] = upright [-1,-1] of the other camera
         for e, d in zip(eps, demos, strict=True):
             assert e.tokens.dtype == np.float16 and e.instruction == "pick up the bowl"
@@ -1068,8 +987,7 @@ def test_feature_cache_reuse_and_invalidation(tmp_path):
     good = {f: (entry / f).read_bytes() for f in ("tokens.npy", "meta.json")}
     for f, bad in (("tokens.npy", good["tokens.npy"][:-40]), ("meta.json", b"{"), ("meta.json", b'{"demos": 3}')):
         (entry / f).write_bytes(bad)
-        with pytest.raises(data.DataError, match=re.escape(str(entry))):
-            build()
+        pytest.raises(data.DataError, build).match(re.escape(str(entry)))
         (entry / f).write_bytes(good[f])
     assert len(build()[0].tokens) == 4
     ident = json.loads((entry / "meta.json").read_text())["source"]  # another run completes the entry first:
@@ -1107,7 +1025,6 @@ def test_memory_expert_presses_through_and_pad_visits_look_alike():
 def test_memory_env_failures():
     """Each way an episode can fail ends it without success, named by env.outcome; data.FAILURES lists exactly these."""
     seen, press, wait = set(), [0, 0, 1], [0, 0, -1]
-
     def run(task, action, **state):  # from seed 0's start with `state` set, step until the episode ends
         env = data.MemoryEnv(task)
         env.reset(seed=0)
@@ -1171,10 +1088,7 @@ def test_memory_suite_files(tmp_path, monkeypatch):
             generate(tasks=["count_2"], **kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# train.py / eval.py: truncated-BPTT training, checkpoints, exact resume, DDP, closed-loop rollouts
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== train.py / eval.py: truncated-BPTT training, checkpoints, exact resume, DDP, closed-loop rollouts ========
 
 TINY = ["--episodes", "3", "--image-size", "32", "--d-model", "32", "--head-blocks", "2", "--mem-heads", "2",
         "--mem-dim", "16", "--batch", "4", "--window", "4", "--chunk", "4", "--eval-episodes", "0",
@@ -1194,7 +1108,6 @@ def trained(tmp_path_factory):
     return root, tiny_train(root, "run", "--steps", "100", "--save-every", "50", "--device", "cpu")
 
 
-
 def test_feature_cache_key_separates_what_encode_depends_on():
     """Two hosts share cached features exactly when their frozen encode() gives the same features."""
     g = torch.Generator().manual_seed(0)
@@ -1205,11 +1118,9 @@ def test_feature_cache_key_separates_what_encode_depends_on():
              tiny_host("dit", seed=1)]  # seed 1: other tower weights
     with torch.no_grad():
         feats = [h.encode(imgs, torch.tensor([0, 1])) for h in hosts]
-    for i in range(len(hosts)):
-        for j in range(i):
-            same = feats[i].shape == feats[j].shape and torch.equal(feats[i], feats[j])
-            assert (train.feature_cache_key(hosts[i]) == train.feature_cache_key(hosts[j])) == same, (i, j)
-
+    for i, j in [(i, j) for i in range(len(hosts)) for j in range(i)]:  # every pair
+        same = feats[i].shape == feats[j].shape and torch.equal(feats[i], feats[j])
+        assert (train.feature_cache_key(hosts[i]) == train.feature_cache_key(hosts[j])) == same, (i, j)
 
 
 def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
@@ -1223,7 +1134,6 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     cache = data.build_feature_cache(files, None, train.feature_cache_key(host), root / "cache", progress=False)
     fd = data.FrameData(cache, c["stats"], c["vocab"])  # all cached: the encoder is never called
     b = fd.batch(data.StreamSampler(fd.lengths, 8, 4, host.cfg.chunk).next_window())  # a fixed window
-
     def loss(h):  # flow-matching loss averaged over 8 fixed (tau, noise) draws
         torch.manual_seed(0)
         with torch.no_grad():
@@ -1233,8 +1143,7 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     assert c["step"] == 100 and c["vocab"] == list(host.cfg.vocab) and len(host.cfg.vocab) == len(data.MEMORY_TASKS)
     assert all(torch.equal(host.state_dict()[k], v) for k, v in c["model"].items())  # trainable weights bit-exactly
     assert not any(k.startswith("tower.") for k in c["model"])  # the frozen tower is rebuilt, not stored
-    with pytest.raises(hosts.ConfigError, match="host='dit'"):
-        hosts.load_checkpoint(ck, expect={"host": "vla"})
+    pytest.raises(hosts.ConfigError, hosts.load_checkpoint, ck, expect={"host": "vla"}).match("host='dit'")
 
 
 def test_resume_is_exact(tmp_path, capsys):
@@ -1279,7 +1188,6 @@ def test_optimizer_groups_and_lr_schedule(memory):
     assert [train.lr_at(i, a) for i in (0, 9, 60, 110)] == pytest.approx([2e-4, 2e-3, 2e-3 * (0.1 + 0.9 * 0.5), 2e-4])
 
 
-
 @pytest.mark.parametrize("argv, flag", [
     (["--steps", "0"], "--steps"), (["--save-every", "0"], "--save-every"), (["--episodes", "0"], "--episodes"),
     (["--weights-file", "nowhere.pt"], "nowhere.pt"), (["--lr", "inf"], "--lr"), (["--lr", "-1"], "--lr"),
@@ -1298,7 +1206,6 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
     assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
 
 
-
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
 def test_help_shows_every_default(script):
     """--help states each option's default: a value argparse fills in, or the help text's own (default: ...)."""
@@ -1309,9 +1216,8 @@ def test_help_shows_every_default(script):
 
 
 def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys):
-    """Torn writes and NaN steps leave the last good checkpoint; NaN/inf anywhere in a checkpoint is refused at load
-    naming file and key; a start removes the temporary files of killed writers, not a running one's; --mem-lr-mult
-    0 keeps the DRAM layers' initial weights exactly (AdamW's weight decay is lr-scaled too)."""
+    """Torn writes and NaN steps leave the last good checkpoint; NaN/inf in a checkpoint is refused naming file and
+    key; a start removes only killed writers' temporary files; --mem-lr-mult 0 keeps DRAM's initial weights exactly."""
     good = tiny_train(tmp_path, "a", "--steps", "2", "--save-every", "1", "--mem-lr-mult", "0")
     before, ck = Path(good).read_bytes(), torch.load(good, weights_only=False)
     torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
@@ -1319,11 +1225,9 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     mem = {k: torch.equal(v, init[k]) for k, v in ck["model"].items() if k.startswith("memory.")}
     assert mem and all(mem.values()) and not all(torch.equal(v, init[k]) for k, v in ck["model"].items())
     assert all(v.device.type == "cpu" for v in ck["model"].values())  # also when trained on a GPU
-
     def torn(obj, f):
         Path(f).write_bytes(b"half")
         raise OSError("disk full")
-
     with mock.patch.object(torch, "save", torn), pytest.raises(OSError):
         hosts.save_checkpoint(good, {"step": 3})
     assert Path(good).read_bytes() == before
@@ -1336,24 +1240,20 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
         (kept[-1] / "tokens.npy").write_bytes(b"half")
     Path(stale[0]).write_bytes(b"half")
     real = train.train_step
-
     def poisoned(host, opt, params, *args, **kw):
         out = real(host, opt, params, *args, **kw)
         params[0].detach().view(-1)[0] = float("nan")
         return out
-
     monkeypatch.setattr(train, "train_step", poisoned)
     with pytest.raises(FloatingPointError, match=r"step 3: the weights hold NaN/inf .*ckpt.pt is not written"):
         tiny_train(tmp_path, "a", "--steps", "4", "--save-every", "1", "--resume")
-    assert Path(good).read_bytes() == before
-    assert not any(p.exists() for p in stale) and all(p.exists() for p in live)
+    assert Path(good).read_bytes() == before and not any(p.exists() for p in stale) and all(p.exists() for p in live)
     name = next(iter(ck["model"]))
     for key in (f"model/{name}", "stats/action_std", "optimizer/state/0/exp_avg_sq", "mem_state/0"):  # nested
         bad = copy.deepcopy(ck)  # tensors and numpy arrays, in dicts (int keys too) and lists
         functools.reduce(lambda c, k: c[int(k) if k.isdigit() else k], key.split("/"), bad).reshape(-1)[-1] = math.nan
         torch.save(bad, tmp_path / "bad.pt")
-        with pytest.raises(data.DataError, match=re.escape(f"bad.pt: {key}")):
-            hosts.read_checkpoint(tmp_path / "bad.pt")
+        pytest.raises(data.DataError, hosts.read_checkpoint, tmp_path / "bad.pt").match(re.escape(f"bad.pt: {key}"))
     ck["model"][name].view(-1)[0] = float("inf")
     torch.save(ck, good)
     err = usage_error(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "a"), "--resume"], capsys)
@@ -1435,7 +1335,6 @@ def test_setup_distributed_one_gpu_per_local_process_and_rng_state(monkeypatch):
 
 # ---- eval.py (the LIBERO test needs requirements-libero.txt; without it, it fails, it is never skipped) -----------
 
-
 def quat_to_matrix(q):
     """Independent: rotation matrix of a unit quaternion (x, y, z, w), the textbook formula."""
     x, y, z, w = q / np.linalg.norm(q)
@@ -1465,7 +1364,6 @@ def test_quat2axisangle_closed_forms_and_rotation():
 
 class ToyEnv:
     """Episode (task, trial) succeeds at step 3 + task + 2 * trial for even trials; odd ones time out at max_steps."""
-
     def __init__(self, task_id, max_steps=12):
         self.task_id, self.max_steps, self.instruction = task_id, max_steps, f"toy task {task_id}"
 
@@ -1484,9 +1382,7 @@ class ToyEnv:
 
 
 class RecordingPolicy:
-    """Logs (episode, frame, frames since its reset) of each row per call; draws from each row's episode generator;
-    NaN where nan_at(obs)."""
-
+    """Logs (episode, frame, frames since reset) per row and call; draws each row's episode rng; NaN at nan_at(obs)."""
     def __init__(self, nan_at=lambda obs: False):
         self.calls, self.draws, self.count, self.starts, self.nan_at, self.rngs = [], [], 0, 0, nan_at, {}
 
@@ -1506,15 +1402,13 @@ class RecordingPolicy:
 
 class PadPresser(ev.ZeroPolicy):
     """Stands still and presses: an embedded pad task ends at once, unsuccessfully (no touch); a cue task times out."""
-
     def act(self, observations, instructions):
         return np.tile([0.0, 0.0, 1.0], (len(observations), 1))
 
 
 @pytest.mark.parametrize("L", [0, 1, 4, 5])
 def test_reset_schedule_per_row(L):
-    episodes = [(t, k) for t in range(2) for k in range(3)]
-    policy = RecordingPolicy()
+    episodes, policy = [(t, k) for t in range(2) for k in range(3)], RecordingPolicy()
     recs = list(ev.run_episodes(ev.EnvSlots(ToyEnv, 2), policy, episodes, reset_every=L))
     expect = {(t, k): (3 + t + 2 * k if k % 2 == 0 else 12) for t, k in episodes}  # episode lengths
     fed = {e: [] for e in episodes}
@@ -1569,8 +1463,7 @@ def test_jsonl_resume_and_guards(tmp_path):
     assert ev.evaluate(tasks, 2, None, ev.EnvSlots(None, 1), str(tmp_path), run) == s1  # log alone: no env, no policy
     for bad, error in [('{"task_id": 0, "tri', "is not valid JSON"), ("[1, 2]", "trial"), ('{"trial": 0}', "task_id")]:
         log.write_text("\n".join(log.read_text().splitlines()[:6] + [bad]) + "\n")
-        with pytest.raises(data.DataError, match=rf"episodes\.jsonl:7 .*{error}"):
-            evaluate(3)
+        pytest.raises(data.DataError, evaluate, 3).match(rf"episodes\.jsonl:7 .*{error}")
 
 
 def test_checkpoint_policy_deployment_semantics(trained):
@@ -1599,7 +1492,6 @@ def test_checkpoint_policy_deployment_semantics(trained):
 
 class TracedSlots(ev.EnvSlots):
     """EnvSlots that also sum the actions sent to each episode (task_id, trial): a trace of its policy noise."""
-
     def call(self, cmd, args):
         self.ep, self.trace = getattr(self, "ep", {}), getattr(self, "trace", {})
         for i, a in args.items():
@@ -1611,24 +1503,20 @@ class TracedSlots(ev.EnvSlots):
 
 
 def test_an_episode_depends_only_on_its_task_trial_and_seed(trained, tmp_path):
-    """Killed and resumed, 1 or 4 environments (workers host only environments: test_embedded_suite_in_workers), a
-    --tasks subset: each episode ends as in one uninterrupted run, its actions equal up to float rounding (CPU
-    kernels round a row differently in batches of other sizes: ~1e-7)."""
+    """Killed and resumed, 1 or 4 environments (workers: test_embedded_suite_in_workers), a --tasks subset: each
+    episode ends as in one uninterrupted run, actions equal up to float rounding (batch size moves it ~1e-7 on CPU)."""
     ck, tasks = trained[1], ev.suite_tasks("memory", [0, 2, 4])
     make = functools.partial(ev.MemorySuiteEnv, seed=7, image_size=ev.CheckpointPolicy(ck).frame_size[0])
-
     def run(out, n=16, tasks=tasks, policy=None):
         with contextlib.closing(TracedSlots(make, n)) as slots:
             ev.evaluate(tasks, 2, policy or ev.CheckpointPolicy(ck), slots, str(tmp_path / out), dict(seed=7))
         recs = ev.load_log(tmp_path / out / "episodes.jsonl")
         return {(r["task_id"], r["trial"]): dict(r, wall_s=None) for r in recs}, slots.trace
-
     full, trace = run("full")
     kill, calls, policy = sorted(r["steps"] for r in full.values())[2], [], ev.CheckpointPolicy(ck)
     act = policy.act  # killed at the act() after the third-shortest episode ended (all 6 started together)
     policy.act = lambda *a: calls.append(1) or (act(*a) if len(calls) <= kill else sys.exit("killed"))
-    with pytest.raises(SystemExit):
-        run("resumed", policy=policy)
+    pytest.raises(SystemExit, run, "resumed", policy=policy)
     assert 0 < len(ev.load_log(tmp_path / "resumed" / "episodes.jsonl")) < 6  # some episodes ran after the resume
     runs = [run("resumed"), run("one", n=1), run("four", n=4), run("subset", tasks=tasks[:0:-1])]  # --tasks 4 2
     for recs, tr in runs:
@@ -1724,7 +1612,6 @@ def test_cuda_graph_policy_acts_like_the_eager_policy(host, trained, monkeypatch
 
 class TapEnv(ev.LiberoEnv):
     """LiberoEnv recording per episode its start state, the actions sent, each observation beside the raw sim output."""
-
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         env, step, self.episodes = self.env, self.env.step, []
@@ -1791,21 +1678,15 @@ def test_libero_rollout(tmp_path, monkeypatch, capsys):
     for argv in (["--tasks", "10"], ["--trials", "51"]):  # libero_10 has tasks 0..9, 50 initial states per task
         assert argv[0] in usage_error(ev.main, ["--suite", "libero_10", "--out", str(out)] + argv, capsys)
     monkeypatch.setitem(sys.modules, "libero.libero.envs", None)  # as if it were missing
-    with pytest.raises(hosts.ConfigError, match="pip install -r requirements-libero.txt"):
-        ev.import_libero()
+    pytest.raises(hosts.ConfigError, ev.import_libero).match("pip install -r requirements-libero.txt")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# bench.py: its baselines compute what they are compared with; its arguments
-# ---------------------------------------------------------------------------------------------------------------
-
+# ==== bench.py: its baselines compute what they are compared with; its arguments ===============================
 
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_bench_baselines_compute_the_joint_write(N):
     """bench.py's part-1 baselines differ from joint_write only in how the solve is done and differentiated: in
     float64 each gives the same state and the same gradients of all five inputs, for N = 1, N < dk and N > dk."""
-    import bench
-
     inputs = [x.clone().requires_grad_(True) for x in rand_frame(3, N=N, dk=8, dv=6, seed=N)]
     ref = joint_write(*inputs)
     g = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
@@ -1822,16 +1703,12 @@ def test_bench_baselines_compute_the_joint_write(N):
     (["--device", "tpu"], "--device"), (["--out", __file__], "--out")])
 def test_bad_bench_arguments_are_argparse_errors(argv, flag, capsys):
     """Refused before anything is timed, by argparse (exit status 2), naming the flag."""
-    import bench
     assert flag in usage_error(bench.main, argv, capsys)
 
 
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
-    """The k-frame baseline conditions the head as the memoryless host does, plus one learned embedding per frame
-    age: with that embedding zeroed, k = 1 gives exactly the host's own tokens (camera and patch-position
-    embeddings, instruction token) for the current frame, and k = 2 the two frames' tokens, each in its slot."""
-    import bench
-
+    """The k-frame baseline is the memoryless host's conditioning plus a learned frame-age embedding: with it zeroed,
+    k = 1 gives exactly the host's own tokens for the current frame, and k = 2 both frames' tokens, each in its slot."""
     host = perturb(tiny_host("dit", memory="none"))
     feats, instr, _ = random_window(host, B=2, T=2)  # [2, 2, NP, D]
     own = host.context(feats, instr, host.init_state(2))[0]["tokens"]  # [2, 2, NP + 1, D]
@@ -1843,38 +1720,27 @@ def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
         buf = ctx.init_buffer(2, NP, "cpu")
         for t in range(2):
             out = ctx.step(feats[:, t], instr, buf, t)["tokens"]  # [2, k NP + 1, D]
-        assert out.shape[1] == k * NP + 1
-        assert torch.equal(out[:, -1], own[:, 1, -1])  # the instruction token, once
+        assert out.shape[1] == k * NP + 1 and torch.equal(out[:, -1], own[:, 1, -1])  # the instruction token, once
         for t in range(2 - k, 2):  # the frames in the buffer: frame t in slot t mod k
-            slot = t % k
-            assert torch.allclose(out[:, slot * NP:(slot + 1) * NP], own[:, t, :NP], atol=1e-6)
+            assert torch.allclose(out[:, t % k * NP:(t % k + 1) * NP], own[:, t, :NP], atol=1e-6)
 
 
+# ==== README.md: its snippet runs on dram.py alone, its commands parse and fit together, its claims match the code ====
 
-# ---------------------------------------------------------------------------------------------------------------
-# README.md: its snippet runs on dram.py alone, its commands parse and fit together, its claims match the code
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def readme_text():
-    return (Path(dram.__file__).resolve().parent / "README.md").read_text()
-
+README = Path(dram.__file__).resolve().parent / "README.md"
 
 
 def readme_section(heading):
     """The text of README's `## heading` section (up to the next `## `)."""
-    m = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", readme_text(), re.S | re.M)
+    m = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", README.read_text(), re.S | re.M)
     assert m, f"README.md has no section '## {heading}'"
     return m.group(1)
 
 
-
 def readme_commands(script):
-    """The argument lists of every `python SCRIPT.py ...` / `torchrun ... SCRIPT.py ...` command in README, from its
-    shell code blocks and its inline code spans (comments dropped)."""
-    text = readme_text()
-    blocks = re.findall(r"^```(?:bash)?\n(.*?)^```", text, re.S | re.M)
-    lines = "\n".join(blocks).splitlines()
+    """The argument lists of each `python/torchrun ... SCRIPT.py` command in README's shell blocks and inline code."""
+    text = README.read_text()
+    lines = "\n".join(re.findall(r"^```(?:bash)?\n(.*?)^```", text, re.S | re.M)).splitlines()
     prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     lines += [" ".join(span.split()) for span in re.findall(r"`((?:python|torchrun) [^`]*)`", prose)]
     for line in lines:
@@ -1883,51 +1749,38 @@ def readme_commands(script):
             yield shlex.split(m.group(1).split("#")[0])
 
 
-
 def test_readme_snippet_runs_on_dram_alone():
-    """README's "Use dram.py in your own model" code runs with nothing but torch and dram importable, and does what
-    it says: shapes kept, a fresh memory is an exact identity (zero-initialised f_O, eq. fuse), reset_state clears
-    the history of the rows that start an episode and only of those."""
+    """README's "Use dram.py in your own model" code runs on torch and dram alone and does what it says: shapes kept, a
+    fresh memory is an exact identity (zero-init f_O, eq. fuse), reset_state clears only the rows that restart."""
     code = re.search(r"```python\n(.*?)```", readme_section("Use dram.py in your own model"), re.S)
     assert code, "README's 'Use dram.py in your own model' section has no ```python block"
     real_import = builtins.__import__
-
     def only_torch_and_dram(name, globals=None, locals=None, fromlist=(), level=0):
         if level or name.split(".")[0] not in ("torch", "dram", "math"):
             raise ImportError(f"README's dram.py snippet imports {name!r}: it must run on torch and dram.py alone")
         return real_import(name, globals, locals, fromlist, level)
-
     torch.manual_seed(0)
     ns = {"__name__": "readme_snippet", "__builtins__": {**vars(builtins), "__import__": only_torch_and_dram}}
     exec(compile(code.group(1), "README.md: Use dram.py in your own model", "exec"), ns)
-
     memory, state, frame, y_step = ns["memory"], ns["state"], ns["frame"], ns["y_step"]
     c, B = memory.cfg, frame.shape[0]
-    assert isinstance(memory, DRAMStack)
+    assert isinstance(memory, DRAMStack) and torch.isfinite(state).all() and state.abs().amax() > 0
     assert state.shape == (B, len(memory.layers), c.n_heads, c.head_dk, c.head_dv) and state.dtype == torch.float32
-    assert torch.isfinite(state).all() and state.abs().amax() > 0
     assert ns["y"].shape == ns["tokens"].shape and torch.equal(ns["y"], ns["tokens"])  # fresh: exact identity
-    assert torch.equal(y_step, frame)
-    rows = ns["new_episode"]
-    assert rows.tolist() == [True, False]
+    assert torch.equal(y_step, frame) and ns["new_episode"].tolist() == [True, False]
     with torch.no_grad():  # a reset row holds exactly one write of `frame` from S_0 = 0; the other row its history
         _, fresh = memory.step(frame, memory.init_state(B))
     torch.testing.assert_close(state[0], fresh[0], rtol=1e-5, atol=1e-6)
     assert (state[1] - fresh[1]).abs().amax() > 1e-3
 
 
-
 def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
-    """Every train.py / eval.py command README shows is accepted as written; every checkpoint an eval command reads
-    is one a README train command writes, and the command's --replan (given, or eval.py's per-suite default) fits
-    that checkpoint's action chunk (eval.py would refuse it otherwise); on LIBERO the default is openpi's: half of
-    the chunk."""
+    """Every train.py / eval.py command README shows parses; every checkpoint an eval command reads is one a README
+    train command writes, and its --replan (given, or eval.py's per-suite default) fits that checkpoint's action
+    chunk (eval.py would refuse it otherwise); on LIBERO the default is openpi's: half of the chunk."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "W.safetensors").touch()  # README's offline weights file
-    chunks = {}
-    for argv in readme_commands("train"):
-        a = train.get_args(argv)
-        chunks[str(Path(a.out) / "ckpt.pt")] = a.chunk
+    chunks = {str(Path(a.out) / "ckpt.pt"): a.chunk for a in map(train.get_args, readme_commands("train"))}
     assert chunks["runs/dit-dram-libero_10/ckpt.pt"] == train.LIBERO_CHUNK
     assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(chunks)
     n = 0
@@ -1942,17 +1795,15 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     assert n >= 5
 
 
-
 def test_readme_equation_table_names_exist():
     """Every code name in README's equation-to-code table exists (module.attr, Class.attr of dram, or a file)."""
-    root = Path(dram.__file__).resolve().parent
     table = readme_section("Where each equation lives")
     names = [n for row in re.findall(r"^\|.*\| (.*) \|$", table, re.M) for n in re.findall(r"`([\w.]+)`", row)]
     assert len(names) >= 12
     modules = {"dram": dram, "hosts": hosts, "data": data, "train": train, "eval": ev}
     for name in names:
         if name.endswith(".py"):
-            assert (root / name).is_file(), name
+            assert (README.parent / name).is_file(), name
             continue
         head, *rest = name.split(".")
         obj = modules[head] if head in modules else getattr(dram, head)
@@ -1961,11 +1812,9 @@ def test_readme_equation_table_names_exist():
             obj = getattr(obj, part)
 
 
-
 def test_readme_test_command_is_what_ci_runs():
     """CI runs exactly README's set-up commands: the same pip install and `python -m pytest -q`."""
     setup = readme_section("Set-up")
-    ci = (Path(dram.__file__).resolve().parent / ".ci" / "run").read_text()
+    ci = (README.parent / ".ci" / "run").read_text()
     pip = re.search(r"pip install (.*)", setup).group(1)
     assert "python -m pytest -q" in setup and "\npython -m pytest -q\n" in ci and f"pip install -q {pip}" in ci
-
