@@ -75,6 +75,7 @@ class HostConfig:
     query_slots: int = 8  # M learned query slots
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
     key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to
+    kv_adapter: bool = True  # a learned linear map per expert layer on the backbone keys / values it reads (init I)
     prefix_gate: bool = False  # ablation only: the prefix in its own softmax behind a zero-initialised gate
 
     def __post_init__(self):
@@ -389,12 +390,19 @@ def rope(x, pos):
 class ExpertLayer(nn.Module):
     """Action-expert layer l (pi0-style): its tokens attend, in one softmax, to the memory prefix of memory layer l
     (reserved RoPE index -1: keys unrotated), backbone layer l's native keys/values (positions 0 .. m-1) and their
-    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: the expert reads a frozen backbone's keys
-    as they come, and a randomly initialised tower's are ~4x too small for a softmax to single out a patch."""
+    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: a randomly initialised tower's keys are ~4x
+    too small for a softmax to single out a patch. With kv_adapter the expert reads backbone layer l's k and v through
+    a learned linear map each, the identity at the start: pi0's expert was trained together with its VLM, so its
+    queries and the VLM's keys share a space; this one starts from scratch over a frozen tower whose fixed random
+    per-head projections it cannot change. The backbone itself and its own attention stay as they are."""
 
-    def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False):
+    def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False, kv_adapter=True):
         super().__init__()
         self.h, self.key_norm = n_heads, key_norm
+        self.kv_adapter = nn.ModuleList([nn.Linear(d, d) for _ in range(2)]) if kv_adapter else None
+        for f in self.kv_adapter or ():  # the identity: a fresh expert reads the native k / v
+            nn.init.eye_(f.weight)
+            nn.init.zeros_(f.bias)
         self.norm1 = AdaLN(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.o = nn.Linear(d, d)
@@ -410,7 +418,10 @@ class ExpertLayer(nn.Module):
         B, n, d = x.shape
         heads = lambda z: z.view(B, z.shape[1], self.h, d // self.h).transpose(1, 2)  # [B, h, *, d/h]
         q, k, v = (heads(z) for z in self.qkv(x).chunk(3, -1))
-        kb, vb = heads(kv_l[:, 0].to(x.dtype)), heads(kv_l[:, 1].to(x.dtype))  # [B, h, m, d/h]
+        kb, vb = kv_l[:, 0].to(x.dtype), kv_l[:, 1].to(x.dtype)  # [B, m, d] backbone layer l's native k / v
+        if self.kv_adapter is not None:
+            kb, vb = self.kv_adapter[0](kb), self.kv_adapter[1](vb)
+        kb, vb = heads(kb), heads(vb)  # [B, h, m, d/h]
         m, M = kb.shape[2], 0 if prefix is None else prefix.shape[1]
         k, v = torch.cat([kb, k], 2), torch.cat([vb, v], 2)  # [B, h, m + n, d/h]
         if M:
@@ -445,7 +456,7 @@ class ExpertHead(FlowHead):
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), d)  # learned instruction embedding
         self.action_in = nn.Linear(cfg.action_dim, d)
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
-        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.prefix_gate)
+        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.prefix_gate, cfg.kv_adapter)
                                      for _ in range(cfg.vla_layers)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
         self.d = d

@@ -668,19 +668,27 @@ def test_vla_encode_runs_the_backbone_blocks():
 
 
 def test_memory_prefix_keys_are_not_rotated():
-    """pi0.5 host: one softmax over [prefix (position -1, keys not rotated) | backbone keys 0..m-1 | own keys
-    m..m+n-1], every key RMS-normalised per head; the gated-prefix ablation is an exact no-op at initialisation."""
+    """pi0.5 host: one softmax over [prefix (position -1, keys not rotated) | backbone keys 0..m-1 (through the
+    k / v adapters, identity when fresh) | own keys m..m+n-1], every key RMS-normalised per head; the gated-prefix
+    ablation is an exact no-op at initialisation."""
     torch.manual_seed(0)
     layer = hosts.ExpertLayer(d=16, n_heads=2, memory=True)
     B, n, m, M, d, h = 2, 3, 5, 4, 16, 2
     x, temb, kv_l, prefix = torch.randn(B, n, d), torch.randn(B, d), torch.randn(B, 2, m, d), torch.randn(B, M, d)
+    native = hosts.ExpertLayer(d=16, n_heads=2, memory=True, kv_adapter=False)
+    assert not native.load_state_dict(layer.state_dict(), strict=False).missing_keys
+    assert torch.equal(layer(x, temb, kv_l, prefix), native(x, temb, kv_l, prefix))  # fresh: the native k / v
+    with torch.no_grad():
+        for f in layer.kv_adapter:
+            f.weight.add_(0.3 * torch.randn_like(f.weight))
+    kv = [f(kv_l[:, i]) for i, f in enumerate(layer.kv_adapter)]  # [B, m, d] the expert's view of k and v
     heads = lambda z: z.view(B, z.shape[1], h, d // h).transpose(1, 2)  # [B, h, *, d/h]
     unit = lambda z: z / z.pow(2).mean(-1, keepdim=True).sqrt()  # per-head RMS normalisation
     q, k, v = (heads(z) for z in layer.qkv(layer.norm1(x, temb)).chunk(3, -1))
     pos_own, k_pre = torch.arange(m, m + n), unit(heads(layer.pre_k(prefix)))
-    k_all = lambda kp: torch.cat([kp, hosts.rope(unit(heads(kv_l[:, 0])), torch.arange(m)),
+    k_all = lambda kp: torch.cat([kp, hosts.rope(unit(heads(kv[0])), torch.arange(m)),
                                   hosts.rope(unit(k), pos_own)], 2)  # [B, h, M + m + n, d/h]
-    v_all = torch.cat([heads(layer.pre_v(prefix)), heads(kv_l[:, 1]), v], 2)
+    v_all = torch.cat([heads(layer.pre_v(prefix)), heads(kv[1]), v], 2)
     att = lambda kk: torch.softmax(hosts.rope(q, pos_own) @ kk.mT / math.sqrt(d // h), -1) @ v_all  # [B, h, n, d/h]
     x2 = lambda kp: x + layer.o(att(k_all(kp)).transpose(1, 2).reshape(B, n, d))  # [B, n, d]
     manual = lambda kp: x2(kp) + layer.mlp(layer.norm2(x2(kp)))
@@ -1196,6 +1204,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--eval-episodes", "-1"], "--eval-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
+    (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"),
     (["--resume", "--overwrite"], "--overwrite")])
 def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):
     """A bad value is refused naming the flag, before anything runs, edge values (and vla's unused --d-model) pass."""

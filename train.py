@@ -35,7 +35,9 @@ DEFAULTS = dict(steps=2200, batch=16, window=16, chunk=4, lr=1e-3)
 # the vla host's defaults: expert depth = backbone depth 4; one memory stack (--mem-depth) over the last hidden
 # tokens, a quarter of the memory cost of four layer-aligned stacks
 VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
-VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "prefix_gate")  # flags of the vla host alone
+# the vla memory reaches the actions only through the expert's attention to its prefix, and learns slower there
+MEM_LR_MULT = dict(dit=2.0, vla=5.0)
+VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "prefix_gate")  # vla host only
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -70,7 +72,8 @@ def parser():
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
-    p.add_argument("--mem-lr-mult", type=float, default=2.0, help="peak lr of the memory layers = this x --lr")
+    p.add_argument("--mem-lr-mult", type=float, help=f"peak lr of the memory layers = this x --lr (default: "
+                   f"{MEM_LR_MULT['dit']:g} dit, {MEM_LR_MULT['vla']:g} vla)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
     p.add_argument("--episodes", type=int, help="embedded suite: demos per task, generated once into the default "
                    f"--data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
@@ -84,6 +87,8 @@ def parser():
                    "code on the patch tokens (default: on without --pretrained, whose tower embeds position itself)")
     p.add_argument("--key-norm", action=argparse.BooleanOptionalAction, help="vla host: RMS-normalise the keys the "
                    "action expert attends to, per head (default: on)")
+    p.add_argument("--kv-adapter", action=argparse.BooleanOptionalAction, help="vla host: a learned linear map per "
+                   "expert layer on the backbone keys and values it reads, identity at the start (default: on)")
     p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix "
                    "in its own softmax behind a zero-initialised gate, not the expert's joint softmax (default: off)")
     p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
@@ -107,6 +112,7 @@ def get_args(argv=None):
         lo = 0 if k in ("warmup", "eval_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
+    a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
         if not (math.isfinite(v) and (v > lo if strict else v >= lo)):
@@ -127,7 +133,7 @@ def get_args(argv=None):
         p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
                 f"writes its frame tokens")
     a.write_source, a.vla_layers = a.write_source or VLA_WRITE_SOURCE, a.vla_layers or VLA_LAYERS
-    a.key_norm, a.prefix_gate = a.key_norm is not False, bool(a.prefix_gate)
+    a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
@@ -335,7 +341,7 @@ def run(argv=None):
                      vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
                      mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
                      head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps,
-                     pos_code=a.pos_code, key_norm=a.key_norm, prefix_gate=a.prefix_gate)
+                     pos_code=a.pos_code, key_norm=a.key_norm, kv_adapter=a.kv_adapter, prefix_gate=a.prefix_gate)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
