@@ -390,11 +390,10 @@ def rope(x, pos):
 class ExpertLayer(nn.Module):
     """Action-expert layer l (pi0-style): its tokens attend, in one softmax, to the memory prefix of memory layer l
     (reserved RoPE index -1: keys unrotated), backbone layer l's native keys/values (positions 0 .. m-1) and their
-    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: a randomly initialised tower's keys are ~4x
-    too small for a softmax to single out a patch. With kv_adapter the expert reads backbone layer l's k and v through
-    a learned linear map each, the identity at the start: pi0's expert was trained together with its VLM, so its
-    queries and the VLM's keys share a space; this one starts from scratch over a frozen tower whose fixed random
-    per-head projections it cannot change. The backbone itself and its own attention stay as they are."""
+    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: a random tower's keys are ~4x too small for
+    a softmax to single out a patch. With kv_adapter it reads layer l's k and v through a learned linear map each (the
+    identity at first; the backbone is untouched): pi0's expert was trained with its VLM, this one starts from scratch
+    over a frozen tower whose fixed random per-head projections it cannot change."""
 
     def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False, kv_adapter=True):
         super().__init__()
@@ -485,8 +484,7 @@ class VLAHost(Host):
         if cfg.vla_layers > len(vit.blocks):
             raise ConfigError(f"--vla-layers {cfg.vla_layers} > {len(vit.blocks)} blocks of {cfg.vision}")
         D, nh = vit.embed_dim, vit.blocks[0].attn.num_heads
-        self.D = D
-        self.memory = None
+        self.D, self.memory = D, None
         if cfg.memory == "dram":
             self.slots = nn.Parameter(0.02 * torch.randn(cfg.query_slots, D))  # M learned query slots
             if cfg.write_source == "native_kv":  # the backbone's own per-head keys/values, no DRAM projection
@@ -496,11 +494,10 @@ class VLAHost(Host):
             n_mem = cfg.mem_depth if cfg.write_source == "last_hidden" else cfg.vla_layers
             self.memory = nn.ModuleList([DRAMLayer(mc) for _ in range(n_mem)])
         self.head = ExpertHead(cfg, D, nh, cfg.memory == "dram")
-        # Fixed position + camera code added to the patch tokens before the frozen blocks: RoPE in the expert shapes
-        # where it attends, not what a token carries, and a randomly initialised tower's own position embedding is
-        # ~0.3 % of the token power, so without it neither the native values nor the hidden tokens (the memory's
-        # write sources) say where a block is. Scaled to the patch embeddings' size (RMS 0.36 in vit_tiny). Fixed,
-        # not learned: the features stay a pure function of the observation and can be cached.
+        # Fixed position + camera code on the patch tokens before the frozen blocks: RoPE shapes where the expert
+        # attends, not what a token carries, and a random tower's own position embedding is ~0.3 % of the token power,
+        # so neither the native values nor the hidden tokens would say where a block is. Scaled to the patch
+        # embeddings (RMS 0.36 in vit_tiny); fixed, so the features stay a function of the observation (cacheable).
         n_cam, P = len(cfg.cameras), self.tower.n_patches
         ang = torch.arange(n_cam, dtype=torch.float32)[:, None] / (100.0 ** (torch.arange(D // 2) / (D // 2)))
         cam = torch.cat([ang.sin(), ang.cos()], 1)  # [n_cam, D] 1-D sin-cos code of the camera index
