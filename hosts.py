@@ -388,12 +388,11 @@ def rope(x, pos):
 
 
 class ExpertLayer(nn.Module):
-    """Action-expert layer l (pi0-style): its tokens attend, in one softmax, to the memory prefix of memory layer l
-    (reserved RoPE index -1: keys unrotated), backbone layer l's native keys/values (positions 0 .. m-1) and their
-    own (m .. m+n-1). With key_norm every key is RMS-normalised per head: a random tower's keys are ~4x too small for
-    a softmax to single out a patch. With kv_adapter it reads layer l's k and v through a learned linear map each (the
-    identity at first; the backbone is untouched): pi0's expert was trained with its VLM, this one starts from scratch
-    over a frozen tower whose fixed random per-head projections it cannot change."""
+    """Action-expert layer l (pi0-style): its tokens attend, in one softmax, to the memory prefix (reserved RoPE index
+    -1: keys unrotated), backbone layer l's native keys/values (positions 0 .. m-1) and their own (m .. m+n-1).
+    key_norm: every key RMS-normalised per head (a random tower's keys are ~4x too small for a softmax to single out a
+    patch). kv_adapter: layer l's k and v read through learned linear maps, the identity at first (pi0's expert was
+    trained with its VLM; this one starts from scratch over fixed random per-head projections)."""
 
     def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False, kv_adapter=True):
         super().__init__()
@@ -495,16 +494,14 @@ class VLAHost(Host):
             self.memory = nn.ModuleList([DRAMLayer(mc) for _ in range(n_mem)])
         self.head = ExpertHead(cfg, D, nh, cfg.memory == "dram")
         # Fixed position + camera code on the patch tokens before the frozen blocks: RoPE shapes where the expert
-        # attends, not what a token carries, and a random tower's own position embedding is ~0.3 % of the token power,
-        # so neither the native values nor the hidden tokens would say where a block is. Scaled to the patch
-        # embeddings (RMS 0.36 in vit_tiny); fixed, so the features stay a function of the observation (cacheable).
+        # attends, not what a token carries, and a random tower's own position embedding (~0.3 % of the token power)
+        # barely says where a patch is. Scaled to the patch embeddings (RMS 0.36 in vit_tiny); fixed, so cacheable.
         n_cam, P = len(cfg.cameras), self.tower.n_patches
         ang = torch.arange(n_cam, dtype=torch.float32)[:, None] / (100.0 ** (torch.arange(D // 2) / (D // 2)))
         cam = torch.cat([ang.sin(), ang.cos()], 1)  # [n_cam, D] 1-D sin-cos code of the camera index
         code = 0.5 * (sincos_2d(P, D)[None] + cam[:, None]) if cfg.pos_code else torch.zeros(n_cam, P, D)
         self.register_buffer("pos_code", code, persistent=False)  # [n_cam, P, D]
-        # frozen 'language model' embedding: a fixed pseudo-random vector per instruction string (seeded by its hash,
-        # not by the vocabulary's order), so the frozen features stay a pure function of (observation, instruction)
+        # frozen text embedding: a pseudo-random vector per instruction, seeded by its hash (not the vocabulary's order)
         seeds = [int(hashlib.sha1(s.encode()).hexdigest()[:12], 16) for s in cfg.vocab]
         table = [torch.randn(D, generator=torch.Generator().manual_seed(sd)) for sd in seeds]
         self.register_buffer("text_table", torch.stack(table) if table else torch.zeros(0, D), persistent=False)

@@ -32,9 +32,9 @@ from hosts import nonfinite, read_checkpoint, save_checkpoint
 # the embedded memory suite on 2 CPU cores in about 10 minutes of training (one memory layer there: more steps in that
 # budget); with fewer steps single tasks of some seeds stay far below the others
 DEFAULTS = dict(steps=2200, batch=16, window=16, chunk=4, lr=1e-3)
-# the vla host's defaults: expert depth = backbone depth 4; one memory stack (--mem-depth) over the last hidden
-# tokens, the best write source at 1,000 steps and a quarter of the memory cost of four layer-aligned stacks. Its
-# memory reaches the actions only through the expert's attention to the prefix, and learns faster at 5x the lr.
+# the vla host's defaults: expert depth = backbone depth 4; two memory layers over the last hidden tokens (the best
+# write source at 1,000 steps; one layer learned round trips and counts worse). Its memory reaches the actions only
+# through the expert's attention to the prefix, and learns faster at 5x the lr.
 VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
 MEM_LR_MULT = dict(dit=2.0, vla=5.0)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "prefix_gate")  # vla host only
@@ -77,7 +77,7 @@ def parser():
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
     p.add_argument("--episodes", type=int, help="embedded suite: demos per task, generated once into the default "
                    f"--data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
-    p.add_argument("--mem-depth", type=int, help="memory layers (default: 1 embedded suite, 2 LIBERO)")
+    p.add_argument("--mem-depth", type=int, help="memory layers (default: 2; 1 for the dit host on the embedded suite)")
     p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
     p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
@@ -143,7 +143,7 @@ def get_args(argv=None):
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
     a.pretrained = lib if a.pretrained is None else a.pretrained
-    a.mem_depth = a.mem_depth or (2 if lib else 1)
+    a.mem_depth = a.mem_depth or (2 if lib or a.host == "vla" else 1)
     a.pos_code = not a.pretrained if a.pos_code is None else a.pos_code
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
     if Path(a.out).exists() and not Path(a.out).is_dir():
