@@ -33,8 +33,8 @@ from hosts import nonfinite, read_checkpoint, save_checkpoint
 # budget); with fewer steps single tasks of some seeds stay far below the others
 DEFAULTS = dict(steps=2200, batch=16, window=16, chunk=4, lr=1e-3)
 # the vla host's defaults: expert depth = backbone depth 4; two memory layers over the last hidden tokens (the best
-# write source at 1,000 steps; one layer learned round trips and counts worse). Its memory reaches the actions only
-# through the expert's attention to the prefix, and learns faster at 5x the lr.
+# write source at 1,000 steps, where one layer learned round trips and counts more slowly). Its memory reaches the
+# actions only through the expert's attention to the prefix, and learns faster at 5x the lr.
 VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
 MEM_LR_MULT = dict(dit=2.0, vla=5.0)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "prefix_gate")  # vla host only
