@@ -1205,6 +1205,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"),
+    (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
     (["--resume", "--overwrite"], "--overwrite")])
 def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):
     """A bad value is refused naming the flag, before anything runs, edge values (and vla's unused --d-model) pass."""
@@ -1213,6 +1214,7 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
     a = train.get_args(["--clip", "inf", "--mem-lr-mult", "0", "--weight-decay", "0", "--warmup", "0", "--seed", "0"])
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
     assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
+    assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])

@@ -133,6 +133,9 @@ def get_args(argv=None):
         p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
                 f"writes its frame tokens")
     a.write_source, a.vla_layers = a.write_source or VLA_WRITE_SOURCE, a.vla_layers or VLA_LAYERS
+    if a.host == "vla" and a.mem_depth is not None and a.write_source != "last_hidden":  # aligned: one per layer
+        p.error(f"--mem-depth applies to --write-source last_hidden; with {a.write_source} the vla host has one memory "
+                f"layer per backbone layer (--vla-layers)")
     a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
