@@ -76,6 +76,7 @@ class HostConfig:
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
     key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to
     kv_adapter: bool = True  # a learned linear map per expert layer on the backbone keys / values it reads (init I)
+    write_centre: bool = True  # the memory's write sources centred over each frame's tokens
     prefix_gate: bool = False  # ablation only: the prefix in its own softmax behind a zero-initialised gate
 
     def __post_init__(self):
@@ -538,11 +539,17 @@ class VLAHost(Host):
         if self.memory is None:
             return ctx, state
         q = self.slots.expand(B, T, *self.slots.shape)  # [B, T, M, D]
+        # write_centre: a random tower's tokens share ~80 % of their power in one vector, so their keys are nearly
+        # parallel (cosine 0.6-0.98) and each frame's joint write replaces the memory along that one direction;
+        # trained on them, the write gates close (w < 0.01) and a cue moves the prefix by ~1 % of its norm.
+        # Centred over the frame's tokens, the keys are near-orthogonal and the gates write selectively.
         outs, new = [], []
         for l, layer in enumerate(self.memory):
             # last_hidden: every memory layer writes the last backbone layer's hidden tokens
             k, v, h = feats[:, :, -1 if ws == "last_hidden" else l].unbind(2)  # [B, T, n, D] each
             xk, xv = (k, v) if ws == "native_kv" else (h, h)
+            if self.cfg.write_centre:  # minus the frame's token mean: a pure function of the current frame
+                xk, xv = xk - xk.mean(2, keepdim=True), xv - xv.mean(2, keepdim=True)
             q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid)  # [B, T, M, D]
             outs.append(q)
             new.append(s)
@@ -612,7 +619,11 @@ def read_checkpoint(path):
 
 
 def check_config(ck, path, expect):
-    """The saved host config must hold the values of `expect` (HostConfig field -> value)."""
+    """The saved host config must have every HostConfig field and hold the values of `expect` (field -> value)."""
+    missing = [f for f in HostConfig.__dataclass_fields__ if f not in ck["config"]]
+    if missing:  # a default filled in here could differ from what the weights were trained with
+        raise ConfigError(f"{path}: its host config lacks {', '.join(missing)}; it was written by an older train.py, "
+                          f"retrain it")
     for k, v in expect.items():
         if ck["config"][k] != v:
             raise ConfigError(f"{path} was trained with {k}={ck['config'][k]!r}, this run has {k}={v!r}")

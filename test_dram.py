@@ -622,6 +622,21 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
     assert (host.head.velocity(a, tau, one, b["state_vec"][:, 1], instr) - v).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("ws", ["native_kv", "hidden", "last_hidden"])
+def test_vla_memory_writes_its_sources_centred_over_each_frame(ws):
+    """A vector shared by all tokens of a frame (most of a random tower's hidden-token power) reaches neither the
+    memory state nor the prefix; without write_centre it reaches both."""
+    for centre in (True, False):
+        host = perturb(tiny_host("vla", ws, write_centre=centre))
+        feats, instr, _ = random_window(host)
+        B, T, L = 2, 3, host.cfg.vla_layers
+        shift = 3.0 * torch.randn(B, T, L, 3, 1, feats.shape[-1])  # one vector per frame, layer and source
+        moved = (feats.view(B, T, L, 3, -1, feats.shape[-1]) + shift).view_as(feats)
+        (ctx, s), (ctx2, s2) = (host.context(f, instr, host.init_state(B)) for f in (feats, moved))
+        close = torch.allclose(ctx2["prefix"], ctx["prefix"], atol=1e-4) and torch.allclose(s2, s, atol=1e-4)
+        assert close == centre
+
+
 def test_dit_head_conditions_on_the_instruction():
     """The DiT head's adaLN sees flow time + instruction, the latter exactly as a shift of the time embedding."""
     head = tiny_host("dit").head
@@ -1152,6 +1167,10 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     assert all(torch.equal(host.state_dict()[k], v) for k, v in c["model"].items())  # trainable weights bit-exactly
     assert not any(k.startswith("tower.") for k in c["model"])  # the frozen tower is rebuilt, not stored
     pytest.raises(hosts.ConfigError, hosts.load_checkpoint, ck, expect={"host": "vla"}).match("host='dit'")
+    older = torch.load(ck, weights_only=False)
+    del older["config"]["write_centre"]  # a field this HostConfig has, that an older train.py did not write
+    torch.save(older, root / "older.pt")
+    pytest.raises(hosts.ConfigError, hosts.load_checkpoint, root / "older.pt").match("lacks write_centre")
 
 
 def test_resume_is_exact(tmp_path, capsys):
@@ -1204,7 +1223,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--eval-episodes", "-1"], "--eval-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
-    (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"),
+    (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
     (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
     (["--resume", "--overwrite"], "--overwrite")])
 def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ DEFAULTS = dict(steps=2200, batch=16, window=16, chunk=4, lr=1e-3)
 # actions only through the expert's attention to the prefix, and learns faster at 5x the lr.
 VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
 MEM_LR_MULT = dict(dit=2.0, vla=5.0)
-VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "prefix_gate")  # vla host only
+VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre", "prefix_gate")
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -89,6 +89,8 @@ def parser():
                    "action expert attends to, per head (default: on)")
     p.add_argument("--kv-adapter", action=argparse.BooleanOptionalAction, help="vla host: a learned linear map per "
                    "expert layer on the backbone keys and values it reads, identity at the start (default: on)")
+    p.add_argument("--write-centre", action=argparse.BooleanOptionalAction, help="vla host: the memory writes its "
+                   "sources minus their mean over the frame's tokens (default: on)")
     p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix "
                    "in its own softmax behind a zero-initialised gate, not the expert's joint softmax (default: off)")
     p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
@@ -137,6 +139,7 @@ def get_args(argv=None):
         p.error(f"--mem-depth applies to --write-source last_hidden; with {a.write_source} the vla host has one memory "
                 f"layer per backbone layer (--vla-layers)")
     a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
+    a.write_centre = a.write_centre is not False
     try:  # the host configuration's own checks, before any data is generated or encoded
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
@@ -344,7 +347,8 @@ def run(argv=None):
                      vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
                      mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
                      head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps,
-                     pos_code=a.pos_code, key_norm=a.key_norm, kv_adapter=a.kv_adapter, prefix_gate=a.prefix_gate)
+                     pos_code=a.pos_code, key_norm=a.key_norm, kv_adapter=a.kv_adapter,
+                     write_centre=a.write_centre, prefix_gate=a.prefix_gate)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
