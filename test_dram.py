@@ -1234,6 +1234,8 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
     assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
     assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
+    assert [train.get_args(["--host", h] + x).steps for h in ("dit", "vla") for x in ([], ["--steps", "7"])] == [
+        train.STEPS["dit"], 7, train.STEPS["vla"], 7]  # each host's default, or the flag
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
