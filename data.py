@@ -30,8 +30,8 @@ STATE_KEYS = ("ee_states", "gripper_states")  # [6] + [2] = the 8-d policy state
 # what a demo group must hold: key -> (dtype, None: any number; shape, each named size >= 1)
 DEMO_KEYS = {"actions": (None, "T Da"), "obs/ee_states": (None, "T 6"), "obs/gripper_states": (None, "T 2"),
              **{f"obs/{c}": (np.uint8, "T H W 3") for c in CAMERAS}}
-MEMORY_SUITE = "memory"
-SUITES = (MEMORY_SUITE, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+MEMORY_SUITE, MIKASA_SUITE = "memory", "mikasa"
+SUITES = (MEMORY_SUITE, MIKASA_SUITE, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 DEFAULT_DATA_ROOT, DEFAULT_CACHE_DIR = "data", "data_cache"
 
 
@@ -60,14 +60,19 @@ def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
     """Sorted `<data_root>/<suite>/*_demo.hdf5`. Missing memory-suite files are generated first (**memory_kwargs) if
     generate, by default only into DEFAULT_DATA_ROOT: a folder the user names is only read. A missing file or LIBERO
     folder is an error naming the command that writes or downloads it."""
+    if generate is None:
+        generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
     if suite == MEMORY_SUITE:
-        if generate is None:
-            generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
         generate_memory_suite(data_root, write=generate, **memory_kwargs)
+    elif suite == MIKASA_SUITE and generate:  # a folder the user names may hold a subset of the tasks
+        generate_mikasa_suite(data_root, memory_kwargs.get("n_episodes"))
     folder = Path(data_root) / suite
     if not (files := sorted(folder.glob("*_demo.hdf5"))):
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
         what = "holds no *_demo.hdf5 files" if folder.is_dir() else "does not exist"
+        if suite == MIKASA_SUITE:
+            raise DataError(f"data directory {folder} {what}; write the demos with `python data.py --suite mikasa "
+                            f"--out {data_root}` (train.py writes them into its default --data only)")
         raise DataError(f"data directory {folder} {what}. Get it with LIBERO's `python benchmark_scripts/"
                         f"download_libero_datasets.py --datasets {dl} --use-huggingface` (github.com/Lifelong-Robot-"
                         "Learning/LIBERO) and pass the download folder as the data root (<data_root>/<suite>/<task "
@@ -676,6 +681,167 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
                                "memoryless_ceiling": MEMORYLESS_CEILING[task], "max_steps": env.max_steps})
 
 
+# ---- MIKASA-Robo: a published 3-D memory benchmark (ManiSkill3 VLA tasks), its canonical protocol ------------------
+# Each task's episode: the cue (1-5 steps), an empty table (1-5 steps), then every candidate reappears at shuffled
+# positions; success = the tool centre point within 5 cm of the target and the arm still. During the cue and the delay
+# the benchmark's wrapper executes zero actions. Observations: the base and hand cameras (128 px), proprio (tcp xyz,
+# rpy, gripper width), the instruction; oracle_info and task_cue are privileged (the expert's only).
+# MEMORYLESS_CEILING: the candidates reappear at shuffled positions and the arm cannot move before they do, so nothing
+# a policy sees after the cue tells the target: a memoryless policy that commits to one candidate succeeds with 1/K
+# (K candidates), re-planning every step (an open-loop chunk started during the cue would carry it over). Success at
+# any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its imitators, stop
+# at one.
+MIKASA_START_SEED = 4242424242  # canonical: episode k of a task is env.reset(seed=MIKASA_START_SEED + k), k < 50
+MIKASA_EPISODES = 100  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
+MIKASA_VERSION = 1  # bump when the expert or the observation mapping change (older files are then refused)
+MIKASA_TASKS = {  # name: (ManiSkill env id, MIKASA memory type, candidates K)
+    "RememberColor3": ("RememberColor3-VLA-v0", "object", 3),
+    "RememberColor9": ("RememberColor9-VLA-v0", "object", 9),
+    "RememberShapeAndColor3x2": ("RememberShapeAndColor3x2-VLA-v0", "object", 6),
+    "FindImposterColor3": ("FindImposterColor3-VLA-v0", "capacity", 3),  # holds the whole cue set: which colour is new
+}
+MIKASA_CEILING = {t: 1 / k for t, (_, _, k) in MIKASA_TASKS.items()}
+CEILINGS = {MEMORY_SUITE: MEMORYLESS_CEILING, MIKASA_SUITE: MIKASA_CEILING}
+MIKASA_FIX = ("install MIKASA-Robo with `pip install -r requirements-mikasa.txt && pip install --no-deps "
+              "mikasa-robo-suite==1.0.0`; SAPIEN renders through Vulkan: on Debian 12 `apt-get install -t "
+              "bookworm-backports mesa-vulkan-drivers` (Mesa >= 25; 22.x fails with ErrorFeatureNotPresent)")
+HOVER, LIFT, GAIN, MIKASA_NOISE = 0.025, 0.06, 1.0, 0.1  # expert: hover height over the cube centre (m), approach
+# height while far from it (m), proportional gain, DART noise on the executed translation (normalised units)
+
+
+def import_mikasa():
+    """(gymnasium, apply_mikasa_vla_wrappers) with the VLA ids registered; a missing package is a DataError."""
+    try:
+        import gymnasium
+        import mikasa_robo_suite.vla.memory_envs  # noqa: F401  (registers the *-VLA-v0 ids)
+        from mikasa_robo_suite.vla.utils.apply_wrappers import apply_mikasa_vla_wrappers
+    except Exception as e:
+        raise DataError(f"MIKASA-Robo could not be imported ({type(e).__name__}: {e}): {MIKASA_FIX}") from e
+    return gymnasium, apply_mikasa_vla_wrappers
+
+
+def mikasa_instruction(task):
+    """The instruction the task's env reports in its info (its class attribute), without building the env."""
+    import_mikasa()
+    from mani_skill.utils.registration import REGISTERED_ENVS
+    return REGISTERED_ENVS[MIKASA_TASKS[task][0]].cls.LANGUAGE_INSTRUCTION
+
+
+class MikasaEnv:
+    """One MIKASA-Robo VLA task: ManiSkill3 on CPU physics and rendering, the canonical settings and wrapper stack.
+    reset(seed) -> raw obs in LIBERO's demo layout; step(action [7]) -> (obs, success so far, done): an episode ends
+    at its first success (the metric is success at any step) or at the task's step limit. expert_action(): the
+    privileged scripted expert (reads the target's position; the policy never sees it)."""
+
+    def __init__(self, task):
+        gym, wrap = import_mikasa()
+        self.task, (env_id, self.memory_type, _) = task, MIKASA_TASKS[task]
+        try:
+            env = gym.make(env_id, num_envs=1, obs_mode="rgb", control_mode="pd_ee_delta_pose",
+                           reward_mode="normalized_dense", sim_backend="physx_cpu", render_backend="cpu")
+            self.env = wrap(env, include_overlays=False)
+        except Exception as e:
+            raise DataError(f"MIKASA-Robo's {env_id} failed to start ({type(e).__name__}: {e}): {MIKASA_FIX}") from e
+        self.max_steps, self.instruction = int(self.env.max_episode_steps), None
+
+    def reset(self, seed):
+        obs, self.info = self.env.reset(seed=int(seed))
+        self.instruction, self.t, self.success = self.info["language_instruction"], 0, False
+        return self._obs(obs)
+
+    def step(self, action):
+        a = torch.as_tensor(np.clip(np.asarray(action, np.float32).reshape(1, 7), -1, 1))  # [1, 7], as the benchmark
+        obs, _, terminated, truncated, self.info = self.env.step(a)
+        self.t += 1
+        self.success = self.success or bool(self.info["success"].reshape(-1)[0])
+        done = self.success or self.t >= self.max_steps or bool(terminated.any()) or bool(truncated.any())
+        return self._obs(obs), self.success, done
+
+    @staticmethod
+    def _obs(obs):
+        rgb = obs["rgb"][0].cpu().numpy()  # [H, W, 6] uint8: base camera | hand camera, upright
+        p = obs["proprio"][0].cpu().numpy().astype(np.float64)  # [7] tcp xyz, roll, pitch, yaw, gripper width
+        # the tool points down: roll sits at +-pi, where (-pi, pi] wraps; [0, 2 pi) keeps it continuous
+        ee = np.concatenate([p[:3], [np.mod(p[3], 2 * np.pi)], p[4:6]])  # [6]
+        return {"agentview_rgb": rgb[::-1, ::-1, :3].copy(), "eye_in_hand_rgb": rgb[::-1, ::-1, 3:].copy(),  # raw:
+                "ee_states": ee, "gripper_states": np.array([p[6] / 2, -p[6] / 2])}  # upside down, as LIBERO's
+
+    def expert_action(self):
+        """Hold still through the cue and the delay (the wrapper executes zeros then), then go to HOVER above the
+        target cube, LIFT higher while far from it in x-y, and stop there; gripper closed."""
+        u = self.env.unwrapped
+        if int(u.elapsed_steps[0]) < int(u.cue_steps_per_env[0] + u.empty_steps_per_env[0]):
+            return np.zeros(7)
+        d = self.info["obj_to_goal_pos"][0].cpu().numpy().astype(np.float64)  # [3] target centre - tcp (m)
+        if np.linalg.norm(d) > 1.0:  # the candidates reappear at this step: their hidden poses are still in info
+            return np.zeros(7)
+        goal = d + np.array([0.0, 0.0, HOVER + LIFT * min(1.0, np.linalg.norm(d[:2]) / 0.05)])  # [3] tcp -> goal
+        return np.concatenate([np.clip(GAIN * goal / 0.1, -1, 1), np.zeros(3), [-1.0]])  # 0.1 m per unit action
+
+    def close(self):
+        self.env.close()
+
+
+def rollout_mikasa_expert(env, seed, noise=MIKASA_NOISE):
+    """One expert episode run to the step limit (DART: executes action + noise, records the clean action); the first
+    success does not end it, so the demos show the arm staying still. -> dict of stacked raw obs, actions, success."""
+    rng = np.random.default_rng([int(seed), 3])
+    obs, frames, acts, ok = env.reset(seed), [], [], False
+    for _ in range(env.max_steps):
+        a = env.expert_action()  # [7]
+        frames.append(obs)
+        acts.append(a)
+        moving = np.any(a[:3] != 0)  # noise only when the arm may move
+        obs, _, _ = env.step(a + np.concatenate([noise * moving * rng.standard_normal(3), np.zeros(4)]))
+        ok = ok or env.success
+        env.success = False  # keep stepping: ends at the step limit only
+    ep = {k: np.stack([f[k] for f in frames]) for k in CAMERAS + STATE_KEYS}
+    return dict(ep, actions=np.stack(acts).astype(np.float32), success=ok)
+
+
+def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
+                          write=True):
+    """Write <data_root>/mikasa/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
+    seeds 0, 1, ... (failures are skipped and counted: data.attrs expert_success). Same rules for existing files as
+    generate_memory_suite."""
+    if n_episodes is not None and n_episodes < 1:
+        raise DataError(f"--episodes must be >= 1, got {n_episodes}")
+    sizes = "" if n_episodes is None else f" --episodes {n_episodes}"
+    paths = {t: Path(data_root) / MIKASA_SUITE / f"{t}_demo.hdf5" for t in tasks or MIKASA_TASKS}
+    missing = [p.name for p in paths.values() if not p.exists()]
+    if missing and not write:
+        raise DataError(f"{Path(data_root) / MIKASA_SUITE} lacks {', '.join(missing)}; write them with `python "
+                        f"data.py --suite mikasa --out {data_root}{sizes}` (train.py generates the demos into its "
+                        f"default --data {DEFAULT_DATA_ROOT} only)")
+    for task, path in paths.items():
+        if path.exists() and not overwrite:
+            with _h5_errors(path), h5py.File(path, "r") as f:
+                _demo_names(f, path)
+                have = dict(f["data"].attrs)
+            want = {"suite_version": MIKASA_VERSION, "num_demos": n_episodes}
+            if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
+                        if w is not None and have.get(k) != w]:
+                raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite mikasa --out "
+                                f"{data_root} --overwrite{sizes}` or use another data root")
+            continue
+        env, eps, seed = MikasaEnv(task), [], 0
+        with tqdm(total=n_episodes or MIKASA_EPISODES, desc=f"mikasa/{task}", disable=not progress) as bar:
+            while len(eps) < (n_episodes or MIKASA_EPISODES):
+                if seed >= MIKASA_START_SEED:
+                    raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
+                ep = rollout_mikasa_expert(env, seed)
+                seed += 1
+                if ep["success"]:
+                    eps.append(ep)
+                    bar.update(1)
+                bar.set_postfix(expert_success=f"{len(eps) / seed:.2f}")
+        write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
+                        attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": MIKASA_CEILING[task],
+                               "memory_type": env.memory_type, "max_steps": env.max_steps,
+                               "expert_attempts": seed, "expert_success": len(eps) / seed})
+        env.close()
+
+
 def parser():
     ap = argparse.ArgumentParser(description="Write the embedded memory suite, or validate a LIBERO suite.")
     ap.add_argument("--suite", default=MEMORY_SUITE, choices=SUITES, help=f"(default: {MEMORY_SUITE})")
@@ -685,7 +851,9 @@ def parser():
                     "existing files hold)")
     ap.add_argument("--img-size", type=int, help="memory suite: image size (default: 64, or what existing files hold)")
     ap.add_argument("--seed", type=int, default=0, help="memory suite: layout and noise seed (default: 0)")
-    ap.add_argument("--overwrite", action="store_true", help="memory suite: regenerate existing files (default: off)")
+    ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa: these tasks only (default: all)")
+    ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
+                    "off)")
     return ap
 
 
@@ -695,13 +863,15 @@ def main(argv=None):
     try:
         if args.suite == MEMORY_SUITE:
             generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
+        elif args.suite == MIKASA_SUITE:
+            generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite)
         suite = []  # (where, state, actions) of every demo: check_values pools the suite
         for p in find_demo_files(args.root, args.suite, generate=False):  # validates every demo, pixels included
             instr, demos = iter_demo_file(p)
             demos = [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos]
             suite += demos
             lens = [len(a) for _, _, a in demos]
-            ceiling = MEMORYLESS_CEILING.get(p.name[:-len("_demo.hdf5")]) if args.suite == MEMORY_SUITE else None
+            ceiling = CEILINGS.get(args.suite, {}).get(p.name[:-len("_demo.hdf5")])
             print(f"{p.name}: {len(lens)} demos, T {min(lens)}-{max(lens)}, '{instr}'"
                   + ("" if ceiling is None else f", memoryless ceiling {ceiling:.3f}"))
         check_values(suite)

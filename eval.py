@@ -38,7 +38,7 @@ import hosts  # noqa: E402
 LIBERO_MAX_STEPS = dict(libero_spatial=220, libero_object=280, libero_goal=300, libero_10=520, libero_90=400)
 # Observations per action chunk. openpi executes 5 actions of each 10-action chunk on LIBERO, then replans; the
 # embedded suite's memoryless ceilings hold for policies that replan at least once per trip.
-REPLAN = {data.MEMORY_SUITE: 1, **dict.fromkeys(LIBERO_MAX_STEPS, 5)}
+REPLAN = {data.MEMORY_SUITE: 1, data.MIKASA_SUITE: 1, **dict.fromkeys(LIBERO_MAX_STEPS, 5)}
 NUM_WAIT_STEPS = 10  # objects fall onto the table during the first steps; the policy does not see them
 WAIT_ACTION = np.array([0.0] * 6 + [-1.0])  # OSC_POSE zero delta, gripper open
 SIM_FIX = ("install the simulator with `pip install -r requirements-libero.txt` and render headless with "
@@ -82,13 +82,15 @@ def suite_tasks(suite, ids=None, trials=1):
     """[(task_id, task name, instruction)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k."""
     if suite == data.MEMORY_SUITE:
         named = [(name, spec[1]) for name, spec in data.MEMORY_TASKS.items()]
+    elif suite == data.MIKASA_SUITE:
+        named = [(name, data.mikasa_instruction(name)) for name in data.MIKASA_TASKS]
     else:
         bench = import_libero()[0].get_benchmark_dict()[suite]()
         named = [(bench.get_task(t).name, bench.get_task(t).language) for t in range(bench.get_num_tasks())]
     ids = list(range(len(named)) if ids is None else ids)
     if len(set(ids)) < len(ids) or not all(0 <= t < len(named) for t in ids):
         raise hosts.ConfigError(f"--tasks {ids}: distinct task ids of {suite}, which has tasks 0..{len(named) - 1}")
-    if suite != data.MEMORY_SUITE and (short := [t for t in ids if len(bench.get_task_init_states(t)) < trials]):
+    if suite in LIBERO_MAX_STEPS and (short := [t for t in ids if len(bench.get_task_init_states(t)) < trials]):
         raise hosts.ConfigError(f"--trials {trials}: {suite} task {short[0]} has fewer fixed initial states")
     return [(t, *named[t]) for t in ids]
 
@@ -147,6 +149,30 @@ class MemorySuiteEnv:
 
     def close(self):
         pass
+
+
+class MikasaSuiteEnv:
+    """data.MikasaEnv by MIKASA-Robo's canonical protocol: trial k is env seed MIKASA_START_SEED + k, whatever --seed
+    (which seeds the policy's noise only). The step info says how a failed episode ended: near_target (the tool was
+    within reach of the target but never still) or elsewhere (a wrong candidate, or none)."""
+
+    def __init__(self, task_id, seed=None, image_size=128):
+        if image_size != 128:
+            raise hosts.ConfigError(f"MIKASA-Robo renders 128 px; this checkpoint was trained on {image_size} px")
+        self.task_id, self.env = task_id, data.MikasaEnv(list(data.MIKASA_TASKS)[task_id])
+        self.max_steps, self.instruction = self.env.max_steps, data.mikasa_instruction(self.env.task)
+
+    def reset(self, trial):
+        return self.env.reset(data.MIKASA_START_SEED + trial)
+
+    def step(self, action):
+        obs, success, done = self.env.step(action)
+        near = float(np.linalg.norm(self.env.info["obj_to_goal_pos"][0].cpu().numpy())) <= 0.05  # GOAL_THRESH
+        outcome = "success" if success else "near_target" if near else "elsewhere"
+        return obs, success, done, dict(outcome=outcome, memory_type=self.env.memory_type)
+
+    def close(self):
+        self.env.close()
 
 
 # ---- Environment slots: n environments stepped together, in this process or one spawn worker each --------------------
@@ -420,7 +446,7 @@ def summarize(records, tasks):
         n_ok = sum(bool(r["success"]) for r in eps)
         fails = [r for r in eps if not r["success"] and "outcome" in r]
         failures = collections.Counter(r["outcome"] for r in fails)
-        failures["untouched"] = sum(r["touches"] == 0 for r in fails)
+        failures["untouched"] = sum(r.get("touches") == 0 for r in fails)
         rows.append(dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok,
                          success=n_ok / len(eps) if eps else None, failures={k: v for k, v in failures.items() if v}))
     rates = [r["success"] for r in rows if r["success"] is not None]
@@ -434,11 +460,17 @@ def results_table(suite, summaries):
     row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     tasks = [r["task"] for r in next(iter(summaries.values()))["tasks"]]
     columns = {name: [r["success"] for r in s["tasks"]] + [s["mean"]] for name, s in summaries.items()}
-    if suite == data.MEMORY_SUITE:
-        ceiling = [data.MEMORYLESS_CEILING[t] for t in tasks]
+    if suite in data.CEILINGS:
+        ceiling = [data.CEILINGS[suite][t] for t in tasks]
         columns = {"memoryless ceiling %": ceiling + [float(np.mean(ceiling))], **columns}
     lines = [row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
     lines += [row([task] + [pct(c[j]) for c in columns.values()]) for j, task in enumerate(tasks + ["mean"])]
+    if suite == data.MIKASA_SUITE:  # MIKASA reports the mean per memory type too
+        types = sorted({data.MIKASA_TASKS[t][1] for t in tasks})
+        for m in types:
+            js = [j for j, t in enumerate(tasks) if data.MIKASA_TASKS[t][1] == m]
+            mean = lambda c: None if any(c[j] is None for j in js) else float(np.mean([c[j] for j in js]))  # noqa
+            lines.append(row([f"memory type: {m}"] + [pct(mean(c)) for c in columns.values()]))
     fails = [row([r["task"], name, ", ".join(f"{k} {v}" for k, v in r["failures"].items())])
              for name, s in summaries.items() for r in s["tasks"] if r["failures"]]
     if fails:
@@ -495,6 +527,8 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
             env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
+        elif suite == data.MIKASA_SUITE:
+            env, n, processes = MikasaSuiteEnv, num_envs, num_envs > 1
         else:
             env, n, processes = functools.partial(LiberoEnv, suite=suite, max_steps=max_steps), num_envs, num_envs > 1
         # rendered as the policy's training frames were
@@ -550,8 +584,8 @@ def get_args(argv=None):
         p.error(f"--device {args.device}: {e}")
     if args.suite == data.MEMORY_SUITE and not args.ckpt:
         p.error("--suite memory needs --ckpt (train one with `python train.py`)")
-    if args.suite == data.MEMORY_SUITE and args.max_steps:
-        p.error("--max-steps: a LIBERO setting; the embedded suite has its tasks' own step limits")
+    if args.suite not in LIBERO_MAX_STEPS and args.max_steps:
+        p.error(f"--max-steps: a LIBERO setting; {args.suite}'s tasks have their own step limits")
     args.replan = args.replan or REPLAN[args.suite]
     return args
 

@@ -1713,6 +1713,70 @@ def test_libero_rollout(tmp_path, monkeypatch, capsys):
     pytest.raises(hosts.ConfigError, ev.import_libero).match("pip install -r requirements-libero.txt")
 
 
+def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
+    """MIKASA-Robo through the real simulator (requirements-mikasa.txt; never skipped): the scripted expert solves its
+    demos, every frame holds both cameras and the mapped proprio, a 2-step run trains on them, and eval.py runs the
+    canonical protocol (env seed 4242424242 + trial, success ends the episode)."""
+    data.main(["--suite", "mikasa", "--tasks", "RememberColor3", "--episodes", "2", "--out", str(tmp_path)])
+    path = tmp_path / "mikasa" / "RememberColor3_demo.hdf5"
+    with h5py.File(path) as f:
+        assert f["data"].attrs["expert_attempts"] == 2  # both seeds solved, none skipped
+    instruction, demos = data.read_demo_file(path)
+    assert instruction == data.mikasa_instruction("RememberColor3") and len(demos) == 2
+    for d in demos:
+        assert len(d.actions) == 25 and d.frame_hw == (128, 128) and np.abs(d.actions).max() <= 1
+        top, hand = d.images["agentview_rgb"], d.images["eye_in_hand_rgb"]  # [T, 128, 128, 3] each
+        assert top.std() > 10 and hand.std() > 10 and np.abs(top.astype(int) - hand).mean() > 10  # two views
+        np.testing.assert_allclose(d.state[0, 6] - d.state[0, 7], 0.08, atol=0.005)  # fingers open 8 cm at first
+    ck = train.main(["--suite", "mikasa", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+                     "--out", str(tmp_path / "run"), "--steps", "2"] + TINY[2:])
+    made, seeds = [], []
+
+    class Tap(ev.MikasaSuiteEnv):  # records the env seeds, and each observation beside the simulator's own
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+            env, self.pairs = self.env.env, []
+            reset, step = env.reset, env.step
+            env.reset = lambda seed, **k: seeds.append(seed) or self._keep(reset(seed=seed, **k))
+            env.step = lambda action: self._keep(step(action))
+
+        def _keep(self, out):
+            self.raw = {k: v[0].cpu().numpy() for k, v in out[0].items()}  # rgb [128, 128, 6], proprio [7]
+            return out
+
+        def step(self, action):
+            out = super().step(action)
+            self.pairs.append((out[0], self.raw))
+            return out
+
+    monkeypatch.setattr(ev, "MikasaSuiteEnv", Tap)
+    ev.main(["--suite", "mikasa", "--ckpt", ck, "--tasks", "0", "--trials", "1", "--out", str(tmp_path / "ev")])
+    rec, = ev.load_log(tmp_path / "ev" / "episodes.jsonl")
+    assert seeds == [4242424242] and rec["instruction"] == instruction and rec["replan"] == 1
+    for obs, raw in made[0].pairs:
+        images, state = data.policy_frame(obs)
+        np.testing.assert_array_equal(images["agentview_rgb"], raw["rgb"][..., :3])  # upright, as the policy sees
+        np.testing.assert_array_equal(images["eye_in_hand_rgb"], raw["rgb"][..., 3:])
+        np.testing.assert_allclose(state[:3], raw["proprio"][:3], atol=1e-6)
+        np.testing.assert_allclose([np.cos(state[3]), np.sin(state[3])], [np.cos(raw["proprio"][3]),
+                                                                          np.sin(raw["proprio"][3])], atol=1e-5)
+        assert 0 <= state[3] < 2 * np.pi and abs(state[3] - np.pi) < 1  # roll near pi, away from the wrap
+        np.testing.assert_allclose(state[6] - state[7], raw["proprio"][6], atol=1e-6)
+
+    class Expert:  # the privileged expert as an eval.py policy: the episode ends at its first success
+        def reset(self, rows, new_episode, rngs=None):
+            pass
+
+        def act(self, observations, instructions):
+            return made[-1].env.expert_action()[None]  # [1, 7]
+
+    slots = ev.EnvSlots(functools.partial(Tap, seed=7), 1)
+    rec, = ev.run_episodes(slots, Expert(), [(0, 3)])
+    slots.close()
+    assert seeds[-1] == 4242424245 and rec["success"] and rec["steps"] < 25 and rec["outcome"] == "success"
+
+
 # ==== bench.py: its baselines compute what they are compared with; its arguments ===============================
 
 @pytest.mark.parametrize("N", [1, 5, 12])

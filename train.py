@@ -64,7 +64,7 @@ def parser():
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
     p.add_argument("--vision", help="timm tower (default: vit_tiny_patch16_224; LIBERO vit_small_patch16_224.dino)")
-    p.add_argument("--image-size", type=int, help="tower input size (default: 64 memory / 128 LIBERO)")
+    p.add_argument("--image-size", type=int, help="tower input size (default: 64 memory and mikasa / 128 LIBERO)")
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
@@ -78,8 +78,9 @@ def parser():
     p.add_argument("--mem-lr-mult", type=float, help=f"peak lr of the memory layers = this x --lr (default: "
                    f"{MEM_LR_MULT['dit']:g} dit, {MEM_LR_MULT['vla']:g} vla)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
-    p.add_argument("--episodes", type=int, help="embedded suite: demos per task, generated once into the default "
-                   f"--data (default: {data.MEMORY_EPISODES}, or whatever the existing files hold)")
+    p.add_argument("--episodes", type=int, help="embedded / mikasa suite: demos per task, generated once into the "
+                   f"default --data (default: {data.MEMORY_EPISODES} / {data.MIKASA_EPISODES}, or what the existing "
+                   "files hold)")
     p.add_argument("--mem-depth", type=int, help="memory layers (default: 2; 1 for the dit host on the embedded suite)")
     p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
     p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
@@ -148,7 +149,7 @@ def get_args(argv=None):
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
         p.error(str(e))
-    lib = a.suite != data.MEMORY_SUITE
+    lib = a.suite not in (data.MEMORY_SUITE, data.MIKASA_SUITE)  # mikasa: the embedded suite's CPU-sized recipe
     a.chunk = a.chunk or (LIBERO_CHUNK if lib else DEFAULTS["chunk"])
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
