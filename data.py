@@ -10,10 +10,12 @@ Raw observations use LIBERO's demo `obs/` keys (as do the embedded env and eval.
 eye_in_hand_rgb uint8 [H,W,3] upside down (OpenGL), ee_states [6], gripper_states [2]; policy_frame() -> policy input.
 """
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -813,6 +815,7 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
         raise DataError(f"{Path(data_root) / MIKASA_SUITE} lacks {', '.join(missing)}; write them with `python "
                         f"data.py --suite mikasa --out {data_root}{sizes}` (train.py generates the demos into its "
                         f"default --data {DEFAULT_DATA_ROOT} only)")
+    todo = []
     for task, path in paths.items():
         if path.exists() and not overwrite:
             with _h5_errors(path), h5py.File(path, "r") as f:
@@ -824,22 +827,34 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
                 raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite mikasa --out "
                                 f"{data_root} --overwrite{sizes}` or use another data root")
             continue
-        env, eps, seed = MikasaEnv(task), [], 0
-        with tqdm(total=n_episodes or MIKASA_EPISODES, desc=f"mikasa/{task}", disable=not progress) as bar:
-            while len(eps) < (n_episodes or MIKASA_EPISODES):
-                if seed >= MIKASA_START_SEED:
-                    raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
-                ep = rollout_mikasa_expert(env, seed)
-                seed += 1
-                if ep["success"]:
-                    eps.append(ep)
-                    bar.update(1)
-                bar.set_postfix(expert_success=f"{len(eps) / seed:.2f}")
-        write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
-                        attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": MIKASA_CEILING[task],
-                               "memory_type": env.memory_type, "max_steps": env.max_steps,
-                               "expert_attempts": seed, "expert_success": len(eps) / seed})
-        env.close()
+        todo.append((task, path, n_episodes or MIKASA_EPISODES, progress, len(todo)))
+    workers = min(len(todo), os.cpu_count() or 1)
+    if workers > 1:  # rendering is single-threaded: one task per core (spawned: SAPIEN's Vulkan state does not fork)
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_mikasa_task_demos, *zip(*todo)))
+    elif todo:
+        _mikasa_task_demos(*todo[0])
+
+
+def _mikasa_task_demos(task, path, n, progress=True, position=0):
+    """One task's demos into `path`: expert episodes at env seeds 0, 1, ... until n succeeded."""
+    os.environ.setdefault("LP_NUM_THREADS", "1")  # lavapipe's rasteriser threads: one per process, one per core
+    env, eps, seed = MikasaEnv(task), [], 0
+    with tqdm(total=n, desc=f"mikasa/{task}", disable=not progress, position=position) as bar:
+        while len(eps) < n:
+            if seed >= MIKASA_START_SEED:
+                raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
+            ep = rollout_mikasa_expert(env, seed)
+            seed += 1
+            if ep["success"]:
+                eps.append(ep)
+                bar.update(1)
+            bar.set_postfix(expert_success=f"{len(eps) / seed:.2f}")
+    write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
+                    attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": MIKASA_CEILING[task],
+                           "memory_type": env.memory_type, "max_steps": env.max_steps, "expert_attempts": seed,
+                           "expert_success": len(eps) / seed})
+    env.close()
 
 
 def parser():

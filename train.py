@@ -34,6 +34,9 @@ from hosts import nonfinite, read_checkpoint, save_checkpoint
 # reach 84.1 % over seeds 0-4, 2,200 (18 minutes) 86.2 %.
 DEFAULTS = dict(batch=16, window=16, chunk=4, lr=1e-3)
 STEPS = dict(dit=2200, vla=1800)
+# MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
+# 10,000 demo frames take fewer steps than the embedded suite's 27,000
+MIKASA = dict(window=25, steps=1500)
 # the vla host's defaults: expert depth = backbone depth 4; two memory layers over the last hidden tokens (the best
 # write source at 1,000 steps; at 2,200 steps one layer reached 58.0 / 84.3 % at seeds 0 / 1, two 92.3 / 82.7 %). Its
 # memory at 2.5x the lr: at 5x the prefix varies with the layout as much as with the count, at 1x it keeps too little
@@ -68,9 +71,11 @@ def parser():
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
-    p.add_argument("--window", type=int, default=DEFAULTS["window"], help="TBPTT window T (frames)")
+    p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {DEFAULTS['window']}; mikasa "
+                   f"{MIKASA['window']})")
     p.add_argument("--chunk", type=int, help=f"action chunk C (default: {DEFAULTS['chunk']}; LIBERO {LIBERO_CHUNK})")
-    p.add_argument("--steps", type=int, help=f"training steps (default: {STEPS['dit']} dit, {STEPS['vla']} vla)")
+    p.add_argument("--steps", type=int, help=f"training steps (default: {STEPS['dit']} dit, {STEPS['vla']} vla; "
+                   f"mikasa {MIKASA['steps']})")
     p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="parallel streams B (per rank)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
@@ -118,7 +123,9 @@ def get_args(argv=None):
         lo = 0 if k in ("warmup", "eval_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
-    a.steps = a.steps or STEPS[a.host]
+    mikasa = a.suite == data.MIKASA_SUITE
+    a.steps = a.steps or (MIKASA["steps"] if mikasa else STEPS[a.host])
+    a.window = a.window or (MIKASA["window"] if mikasa else DEFAULTS["window"])
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
