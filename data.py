@@ -32,8 +32,8 @@ STATE_KEYS = ("ee_states", "gripper_states")  # [6] + [2] = the 8-d policy state
 # what a demo group must hold: key -> (dtype, None: any number; shape, each named size >= 1)
 DEMO_KEYS = {"actions": (None, "T Da"), "obs/ee_states": (None, "T 6"), "obs/gripper_states": (None, "T 2"),
              **{f"obs/{c}": (np.uint8, "T H W 3") for c in CAMERAS}}
-MEMORY_SUITE, MIKASA_SUITE = "memory", "mikasa"
-SUITES = (MEMORY_SUITE, MIKASA_SUITE, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+MEMORY_SUITE, MIKASA_SUITE, MIKASA_LONG = "memory", "mikasa", "mikasa_long"
+SUITES = (MEMORY_SUITE, MIKASA_SUITE, MIKASA_LONG, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 DEFAULT_DATA_ROOT, DEFAULT_CACHE_DIR = "data", "data_cache"
 
 
@@ -66,14 +66,14 @@ def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
         generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
     if suite == MEMORY_SUITE:
         generate_memory_suite(data_root, write=generate, **memory_kwargs)
-    elif suite == MIKASA_SUITE and generate:  # a folder the user names may hold a subset of the tasks
-        generate_mikasa_suite(data_root, memory_kwargs.get("n_episodes"))
+    elif suite in MIKASA_SUITES and generate:  # a folder the user names may hold a subset of the tasks
+        generate_mikasa_suite(data_root, memory_kwargs.get("n_episodes"), suite=suite)
     folder = Path(data_root) / suite
     if not (files := sorted(folder.glob("*_demo.hdf5"))):
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
         what = "holds no *_demo.hdf5 files" if folder.is_dir() else "does not exist"
-        if suite == MIKASA_SUITE:
-            raise DataError(f"data directory {folder} {what}; write the demos with `python data.py --suite mikasa "
+        if suite in MIKASA_SUITES:
+            raise DataError(f"data directory {folder} {what}; write the demos with `python data.py --suite {suite} "
                             f"--out {data_root}` (train.py writes them into its default --data only)")
         raise DataError(f"data directory {folder} {what}. Get it with LIBERO's `python benchmark_scripts/"
                         f"download_libero_datasets.py --datasets {dl} --use-huggingface` (github.com/Lifelong-Robot-"
@@ -696,14 +696,21 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
 MIKASA_START_SEED = 4242424242  # canonical: episode k of a task is env.reset(seed=MIKASA_START_SEED + k), k < 50
 MIKASA_EPISODES = 100  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
 MIKASA_VERSION = 1  # bump when the expert or the observation mapping change (older files are then refused)
-MIKASA_TASKS = {  # name: (ManiSkill env id, MIKASA memory type, candidates K)
-    "RememberColor3": ("RememberColor3-VLA-v0", "object", 3),
-    "RememberColor9": ("RememberColor9-VLA-v0", "object", 9),
-    "RememberShapeAndColor3x2": ("RememberShapeAndColor3x2-VLA-v0", "object", 6),
-    "FindImposterColor3": ("FindImposterColor3-VLA-v0", "capacity", 3),  # holds the whole cue set: which colour is new
+MIKASA_SUITES = {  # suite: {name: (ManiSkill env id, MIKASA memory type, candidates K)}
+    MIKASA_SUITE: {  # 25-step episodes
+        "RememberColor3": ("RememberColor3-VLA-v0", "object", 3),
+        "RememberColor9": ("RememberColor9-VLA-v0", "object", 9),
+        "RememberShapeAndColor3x2": ("RememberShapeAndColor3x2-VLA-v0", "object", 6),
+        "FindImposterColor3": ("FindImposterColor3-VLA-v0", "capacity", 3),  # holds the cue set: which colour is new
+    },
+    # 600 steps: the cue lasts 10-100 of them and the empty table 50-450. Its wrapper does not freeze the arm, so a
+    # memoryless policy could carry the cue in its own pose; 1/K holds for one that keeps still until the reveal, as
+    # the expert does.
+    MIKASA_LONG: {"RememberColor3-Long": ("RememberColor3-Long-VLA-v0", "object", 3)},
 }
-MIKASA_CEILING = {t: 1 / k for t, (_, _, k) in MIKASA_TASKS.items()}
-CEILINGS = {MEMORY_SUITE: MEMORYLESS_CEILING, MIKASA_SUITE: MIKASA_CEILING}
+MIKASA_TASKS = {t: spec for tasks in MIKASA_SUITES.values() for t, spec in tasks.items()}
+CEILINGS = {MEMORY_SUITE: MEMORYLESS_CEILING,
+            **{s: {t: 1 / k for t, (_, _, k) in tasks.items()} for s, tasks in MIKASA_SUITES.items()}}
 MIKASA_FIX = ("install MIKASA-Robo with `pip install -r requirements-mikasa.txt && pip install --no-deps "
               "mikasa-robo-suite==1.0.0`; SAPIEN renders through Vulkan: on Debian 12 `apt-get install -t "
               "bookworm-backports mesa-vulkan-drivers` (Mesa >= 25; 22.x fails with ErrorFeatureNotPresent)")
@@ -802,18 +809,20 @@ def rollout_mikasa_expert(env, seed, noise=MIKASA_NOISE):
 
 
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
-                          write=True):
-    """Write <data_root>/mikasa/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
+                          write=True, suite=MIKASA_SUITE):
+    """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
     seeds 0, 1, ... (failures are skipped and counted: data.attrs expert_success). Same rules for existing files as
     generate_memory_suite."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     sizes = "" if n_episodes is None else f" --episodes {n_episodes}"
-    paths = {t: Path(data_root) / MIKASA_SUITE / f"{t}_demo.hdf5" for t in tasks or MIKASA_TASKS}
+    if other := [t for t in tasks or () if t not in MIKASA_SUITES[suite]]:
+        raise DataError(f"--tasks {' '.join(other)}: not a task of --suite {suite} ({', '.join(MIKASA_SUITES[suite])})")
+    paths = {t: Path(data_root) / suite / f"{t}_demo.hdf5" for t in tasks or MIKASA_SUITES[suite]}
     missing = [p.name for p in paths.values() if not p.exists()]
     if missing and not write:
-        raise DataError(f"{Path(data_root) / MIKASA_SUITE} lacks {', '.join(missing)}; write them with `python "
-                        f"data.py --suite mikasa --out {data_root}{sizes}` (train.py generates the demos into its "
+        raise DataError(f"{Path(data_root) / suite} lacks {', '.join(missing)}; write them with `python "
+                        f"data.py --suite {suite} --out {data_root}{sizes}` (train.py generates the demos into its "
                         f"default --data {DEFAULT_DATA_ROOT} only)")
     todo = []
     for task, path in paths.items():
@@ -824,7 +833,7 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
             want = {"suite_version": MIKASA_VERSION, "num_demos": n_episodes}
             if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
                         if w is not None and have.get(k) != w]:
-                raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite mikasa --out "
+                raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite {suite} --out "
                                 f"{data_root} --overwrite{sizes}` or use another data root")
             continue
         todo.append((task, path, n_episodes or MIKASA_EPISODES, progress, len(todo)))
@@ -851,7 +860,7 @@ def _mikasa_task_demos(task, path, n, progress=True, position=0):
                 bar.update(1)
             bar.set_postfix(expert_success=f"{len(eps) / seed:.2f}")
     write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
-                    attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": MIKASA_CEILING[task],
+                    attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": 1 / MIKASA_TASKS[task][2],
                            "memory_type": env.memory_type, "max_steps": env.max_steps, "expert_attempts": seed,
                            "expert_success": len(eps) / seed})
     env.close()
@@ -866,7 +875,7 @@ def parser():
                     "existing files hold)")
     ap.add_argument("--img-size", type=int, help="memory suite: image size (default: 64, or what existing files hold)")
     ap.add_argument("--seed", type=int, default=0, help="memory suite: layout and noise seed (default: 0)")
-    ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa: these tasks only (default: all)")
+    ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa suites: these tasks only (default: all)")
     ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
                     "off)")
     return ap
@@ -878,8 +887,8 @@ def main(argv=None):
     try:
         if args.suite == MEMORY_SUITE:
             generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
-        elif args.suite == MIKASA_SUITE:
-            generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite)
+        elif args.suite in MIKASA_SUITES:
+            generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite, suite=args.suite)
         suite = []  # (where, state, actions) of every demo: check_values pools the suite
         for p in find_demo_files(args.root, args.suite, generate=False):  # validates every demo, pixels included
             instr, demos = iter_demo_file(p)

@@ -38,7 +38,7 @@ import hosts  # noqa: E402
 LIBERO_MAX_STEPS = dict(libero_spatial=220, libero_object=280, libero_goal=300, libero_10=520, libero_90=400)
 # Observations per action chunk. openpi executes 5 actions of each 10-action chunk on LIBERO, then replans; the
 # embedded suite's memoryless ceilings hold for policies that replan at least once per trip.
-REPLAN = {data.MEMORY_SUITE: 1, data.MIKASA_SUITE: 1, **dict.fromkeys(LIBERO_MAX_STEPS, 5)}
+REPLAN = {data.MEMORY_SUITE: 1, **dict.fromkeys(data.MIKASA_SUITES, 1), **dict.fromkeys(LIBERO_MAX_STEPS, 5)}
 NUM_WAIT_STEPS = 10  # objects fall onto the table during the first steps; the policy does not see them
 WAIT_ACTION = np.array([0.0] * 6 + [-1.0])  # OSC_POSE zero delta, gripper open
 SIM_FIX = ("install the simulator with `pip install -r requirements-libero.txt` and render headless with "
@@ -82,8 +82,8 @@ def suite_tasks(suite, ids=None, trials=1):
     """[(task_id, task name, instruction)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k."""
     if suite == data.MEMORY_SUITE:
         named = [(name, spec[1]) for name, spec in data.MEMORY_TASKS.items()]
-    elif suite == data.MIKASA_SUITE:
-        named = [(name, data.mikasa_instruction(name)) for name in data.MIKASA_TASKS]
+    elif suite in data.MIKASA_SUITES:
+        named = [(name, data.mikasa_instruction(name)) for name in data.MIKASA_SUITES[suite]]
     else:
         bench = import_libero()[0].get_benchmark_dict()[suite]()
         named = [(bench.get_task(t).name, bench.get_task(t).language) for t in range(bench.get_num_tasks())]
@@ -156,10 +156,10 @@ class MikasaSuiteEnv:
     (which seeds the policy's noise only). The step info says how a failed episode ended: near_target (the tool was
     within reach of the target but never still) or elsewhere (a wrong candidate, or none)."""
 
-    def __init__(self, task_id, seed=None, image_size=128):
+    def __init__(self, task_id, suite=data.MIKASA_SUITE, seed=None, image_size=128):
         if image_size != 128:
             raise hosts.ConfigError(f"MIKASA-Robo renders 128 px; this checkpoint was trained on {image_size} px")
-        self.task_id, self.env = task_id, data.MikasaEnv(list(data.MIKASA_TASKS)[task_id])
+        self.task_id, self.env = task_id, data.MikasaEnv(list(data.MIKASA_SUITES[suite])[task_id])
         self.max_steps, self.instruction = self.env.max_steps, data.mikasa_instruction(self.env.task)
 
     def reset(self, trial):
@@ -465,7 +465,7 @@ def results_table(suite, summaries):
         columns = {"memoryless ceiling %": ceiling + [float(np.mean(ceiling))], **columns}
     lines = [row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
     lines += [row([task] + [pct(c[j]) for c in columns.values()]) for j, task in enumerate(tasks + ["mean"])]
-    if suite == data.MIKASA_SUITE:  # MIKASA reports the mean per memory type too
+    if suite in data.MIKASA_SUITES:  # MIKASA reports the mean per memory type too
         types = sorted({data.MIKASA_TASKS[t][1] for t in tasks})
         for m in types:
             js = [j for j, t in enumerate(tasks) if data.MIKASA_TASKS[t][1] == m]
@@ -527,8 +527,8 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
             env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
-        elif suite == data.MIKASA_SUITE:
-            env, n, processes = MikasaSuiteEnv, num_envs, num_envs > 1
+        elif suite in data.MIKASA_SUITES:
+            env, n, processes = functools.partial(MikasaSuiteEnv, suite=suite), num_envs, num_envs > 1
         else:
             env, n, processes = functools.partial(LiberoEnv, suite=suite, max_steps=max_steps), num_envs, num_envs > 1
         # rendered as the policy's training frames were

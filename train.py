@@ -123,7 +123,7 @@ def get_args(argv=None):
         lo = 0 if k in ("warmup", "eval_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
-    mikasa = a.suite == data.MIKASA_SUITE
+    mikasa = a.suite in data.MIKASA_SUITES
     a.steps = a.steps or (MIKASA["steps"] if mikasa else STEPS[a.host])
     a.window = a.window or (MIKASA["window"] if mikasa else DEFAULTS["window"])
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
@@ -156,7 +156,7 @@ def get_args(argv=None):
         HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
     except ConfigError as e:
         p.error(str(e))
-    lib = a.suite not in (data.MEMORY_SUITE, data.MIKASA_SUITE)  # mikasa: the embedded suite's CPU-sized recipe
+    lib = not (a.suite == data.MEMORY_SUITE or mikasa)  # LIBERO; mikasa: the embedded suite's CPU-sized recipe
     a.chunk = a.chunk or (LIBERO_CHUNK if lib else DEFAULTS["chunk"])
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
     a.image_size = a.image_size or (128 if lib else 64)
