@@ -56,6 +56,13 @@ class Demo:
     actions: np.ndarray  # float32 [T, Da]
 
 
+def task_name(path):
+    """A demo file's task name: `<task name>_demo.hdf5` (LIBERO's create_dataset names its files by the task's .bddl
+    file, whose stem is the benchmark's task.name; the embedded suite by its data.MEMORY_TASKS key). Checkpoints store
+    each task's instruction under this name and eval.py asks for it by task name."""
+    return Path(path).name.removesuffix("_demo.hdf5")
+
+
 def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
     """Sorted `<data_root>/<suite>/*_demo.hdf5`. Missing memory-suite files are generated first (**memory_kwargs) if
     generate, by default only into DEFAULT_DATA_ROOT: a folder the user names is only read. A missing file or LIBERO
@@ -701,7 +708,7 @@ def main(argv=None):
             demos = [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos]
             suite += demos
             lens = [len(a) for _, _, a in demos]
-            ceiling = MEMORYLESS_CEILING.get(p.name[:-len("_demo.hdf5")]) if args.suite == MEMORY_SUITE else None
+            ceiling = MEMORYLESS_CEILING.get(task_name(p)) if args.suite == MEMORY_SUITE else None
             print(f"{p.name}: {len(lens)} demos, T {min(lens)}-{max(lens)}, '{instr}'"
                   + ("" if ceiling is None else f", memoryless ceiling {ceiling:.3f}"))
         check_values(suite)

@@ -609,7 +609,7 @@ def read_checkpoint(path):
         ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
     except Exception as e:
         raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-    for k in ("config", "model", "stats", "tower_fingerprint"):
+    for k in ("config", "model", "stats", "instructions", "tower_fingerprint"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
     if bad := nonfinite(ck):

@@ -251,20 +251,20 @@ def set_rng_state(st, dev):
 
 # ---- Data -> host ------------------------------------------------------------------------------------------------
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files before any frame is
-    encoded: every demo's shapes, dtypes, actions and states validated (data.check_values), no pixels read. eval.py
-    renders the simulator at this frame size (saved in the checkpoint)."""
-    vocab, demos, sizes = set(), [], {}  # sizes: (H, W) -> the first demo whose camera images have it
+    """Instructions {task name: instruction}, action dimension and camera frame size (H, W) from the demo files before
+    any frame is encoded: every demo's shapes, dtypes, actions and states validated (data.check_values), no pixels
+    read. The checkpoint keeps both: eval.py asks for a task's instruction by its name (data.task_name, LIBERO's
+    task.name) and renders the simulator at this frame size."""
+    instructions, demos, sizes = {}, [], {}  # sizes: (H, W) -> the first demo whose camera images have it
     for f in files:
-        instr, ds = data.iter_demo_file(f, images=False)
-        vocab.add(instr)
+        instructions[data.task_name(f)], ds = data.iter_demo_file(f, images=False)
         for d in ds:
             demos.append((f"{f}: data/{d.name}", d.state, d.actions))
             sizes.setdefault(d.frame_hw, demos[-1][0])
     if len(sizes) > 1:
         raise data.DataError(f"the demos' camera images differ in size: {sizes}")
     data.check_values(demos)  # also: one action width
-    return sorted(vocab), demos[0][2].shape[1], next(iter(sizes))
+    return instructions, demos[0][2].shape[1], next(iter(sizes))
 
 
 def feature_cache_key(host):
@@ -345,7 +345,8 @@ def run(argv=None):
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         wait()
         files = data.find_demo_files(a.data, a.suite, generate=False)
-    vocab, Da, frame_hw = scan(files)
+    instructions, Da, frame_hw = scan(files)
+    vocab = sorted(set(instructions.values()))  # one embedding per distinct instruction (tasks may share one)
     cfg = HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
                      weights_file=a.weights_file, image_size=a.image_size, action_dim=Da, chunk=a.chunk,
                      vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
@@ -355,6 +356,9 @@ def run(argv=None):
                      write_centre=a.write_centre, prefix_gate=a.prefix_gate)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
+        if ck["instructions"] != instructions:
+            raise ConfigError(f"--resume: {ckpt_path} was trained on the tasks {sorted(ck['instructions'])}, --data "
+                              f"{a.data} holds {sorted(instructions)}; pass the saved run's --data")
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
     if world > 1:  # then each rank its own draws of tau and noise
         torch.manual_seed(a.seed + rank)
@@ -396,8 +400,9 @@ def run(argv=None):
         if rank == 0:
             save_checkpoint(ckpt_path, dict(
                 model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg), stats=fd.stats,
-                vocab=vocab, optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
-                mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
+                vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
+                sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
+                rng=[g["rng"] for g in gathered],
                 tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
                 losses=losses, frame_size=list(frame_hw)))
 
