@@ -1168,7 +1168,7 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
     assert all(torch.equal(host.state_dict()[k], v) for k, v in c["model"].items())  # trainable weights bit-exactly
     assert not any(k.startswith("tower.") for k in c["model"])  # the frozen tower is rebuilt, not stored
     pytest.raises(hosts.ConfigError, hosts.load_checkpoint, ck, expect={"host": "vla"}).match("host='dit'")
-    older = torch.load(ck, weights_only=False)
+    older = torch.load(ck, weights_only=True)
     del older["config"]["write_centre"]  # a field this HostConfig has, that an older train.py did not write
     torch.save(older, root / "older.pt")
     pytest.raises(hosts.ConfigError, hosts.load_checkpoint, root / "older.pt").match("lacks write_centre")
@@ -1182,11 +1182,11 @@ def test_resume_is_exact(tmp_path, capsys):
     assert "c/ckpt.pt" in usage_error(lambda argv: tiny_train(tmp_path, "c", *argv), ["--resume"], capsys)
     assert not (tmp_path / "c").exists()  # a missing checkpoint is named before anything runs
     tiny_train(tmp_path, "b", "--steps", "10", "--save-every", "100", "--stop-at", "6")  # "interrupted" at 6
-    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 6
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 6
     # the resumed command names only the run: TINY's architecture, --lr, --steps come from the checkpoint
     b = train.main(["--out", str(tmp_path / "b"), "--data", str(tmp_path / "data"), "--cache-dir",
                     str(tmp_path / "cache"), "--resume"])
-    wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert wb["step"] == 10 and wb["args"]["lr"] == 3e-3 and wb["args"]["steps"] == 10
     assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"])
     assert torch.equal(wa["mem_state"][0], wb["mem_state"][0]) and wa["sampler"] == wb["sampler"]
@@ -1197,7 +1197,7 @@ def test_resume_is_exact(tmp_path, capsys):
         assert flag in usage_error(resume_b, [flag, v], capsys)
     # the schedule may change: train on to more steps with another weight decay
     wd = torch.load(tiny_train(tmp_path, "b", "--steps", "11", "--resume", "--weight-decay", "0.5"),
-                    weights_only=False)["optimizer"]["param_groups"]
+                    weights_only=True)["optimizer"]["param_groups"]
     assert sorted(g["weight_decay"] for g in wd) == [0.0, 0.0, 0.5, 0.5]
 
 
@@ -1252,7 +1252,7 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     """Torn writes and NaN steps leave the last good checkpoint; NaN/inf in a checkpoint is refused naming file and
     key; a start removes only killed writers' temporary files; --mem-lr-mult 0 keeps DRAM's initial weights exactly."""
     good = tiny_train(tmp_path, "a", "--steps", "2", "--save-every", "1", "--mem-lr-mult", "0")
-    before, ck = Path(good).read_bytes(), torch.load(good, weights_only=False)
+    before, ck = Path(good).read_bytes(), torch.load(good, weights_only=True)
     torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
     init = make_host("dit", HostConfig(**ck["config"])).state_dict()
     mem = {k: torch.equal(v, init[k]) for k, v in ck["model"].items() if k.startswith("memory.")}
@@ -1283,7 +1283,7 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     assert Path(good).read_bytes() == before and not any(p.exists() for p in stale) and all(p.exists() for p in live)
     name = next(iter(ck["model"]))
     for key in (f"model/{name}", "stats/action_std", "optimizer/state/0/exp_avg_sq", "mem_state/0"):  # nested
-        bad = copy.deepcopy(ck)  # tensors and numpy arrays, in dicts (int keys too) and lists
+        bad = copy.deepcopy(ck)  # tensors in dicts (int keys too) and lists
         functools.reduce(lambda c, k: c[int(k) if k.isdigit() else k], key.split("/"), bad).reshape(-1)[-1] = math.nan
         torch.save(bad, tmp_path / "bad.pt")
         pytest.raises(data.DataError, hosts.read_checkpoint, tmp_path / "bad.pt").match(re.escape(f"bad.pt: {key}"))
@@ -1291,6 +1291,29 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     torch.save(ck, good)
     err = usage_error(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "a"), "--resume"], capsys)
     assert "ckpt.pt" in err and name in err
+
+
+class RunsCode:
+    """Unpickled, it calls open(path, "w"): a stand-in for a checkpoint whose pickle runs code when loaded."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path, capsys):
+    """Checkpoints load with weights_only: one carrying a pickled object that runs code is refused, naming the file,
+    and the code never runs (eval.py and train.py --resume: one line, exit 2)."""
+    ck, ran = torch.load(trained[1], weights_only=True), tmp_path / "ran"
+    torch.save(dict(ck, config=dict(ck["config"], note=RunsCode(ran))), tmp_path / "ckpt.pt")
+    torch.load(tmp_path / "ckpt.pt", weights_only=False)  # the payload is live: a full unpickle runs it
+    assert ran.exists()
+    ran.unlink()
+    for main, argv in ((ev.main, ["--ckpt", str(tmp_path / "ckpt.pt")]), (train.main, ["--out", str(tmp_path),
+                                                                                         "--resume"])):
+        err = usage_error(main, argv, capsys)
+        assert len(err.strip().splitlines()) == 1 and str(tmp_path / "ckpt.pt") in err and not ran.exists(), err
 
 
 def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
@@ -1321,7 +1344,7 @@ def test_ddp_two_processes_gloo(tmp_path):
                         "train.py"] + args, cwd=Path(train.__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)
+    ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
     assert ck["world"] == 2 and ck["step"] == 12 and len(ck["sampler"]) == 2
     assert len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"]) == 12
     assert ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]  # the ranks walked disjoint episodes
@@ -1573,7 +1596,7 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     assert sorted((r["task_id"], r["trial"]) for r in recs) == [(t, 0) for t in range(6)]
     assert [t["successes"] for t in s["tasks"]] == [r["success"] for r in sorted(recs, key=lambda r: r["task_id"])]
     assert (out / "results.md").read_text() == ev.results_table("memory", {ck: s}) + "\n"
-    c = torch.load(ck, weights_only=False)
+    c = torch.load(ck, weights_only=True)
     name = next(iter(c["model"]))
     torch.save(dict(c, model=dict(c["model"], **{name: c["model"][name] + 1.0})), ck)  # changed in place
     with pytest.raises(hosts.ConfigError, match="checkpoint_sha1"):
@@ -1593,8 +1616,8 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
     assert [ev.get_args(a).replan for a in (["--ckpt", "x.pt"], ["--suite", "libero_10", "--replan", "2"])] == [1, 2]
     ck, good = trained[1], Path(trained[1]).read_bytes()
     torch.save({"state_dict": {}}, tmp_path / "other.pt")
-    torch.save(dict(torch.load(ck, weights_only=False), suite="libero_10"), tmp_path / "libero.pt")
-    c = torch.load(ck, weights_only=False)
+    torch.save(dict(torch.load(ck, weights_only=True), suite="libero_10"), tmp_path / "libero.pt")
+    c = torch.load(ck, weights_only=True)
     torch.save(dict(c, instructions={k: v for k, v in c["instructions"].items() if k != "count_2"}),
                tmp_path / "fewer.pt")  # trained without count_2's demo file
     (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
@@ -1722,7 +1745,7 @@ def test_libero_rollout(tmp_path, monkeypatch, capsys):
     ck = train.main(["--suite", "libero_spatial", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
                      "--vision", "vit_tiny_patch16_224", "--no-pretrained", "--out", str(tmp_path / "run"),
                      "--steps", "1"] + TINY[2:])
-    assert torch.load(ck, weights_only=False)["instructions"] == {task.name: instruction}
+    assert torch.load(ck, weights_only=True)["instructions"] == {task.name: instruction}
     out, made = tmp_path / "ev", []
     monkeypatch.setattr(ev, "LiberoEnv", lambda *a, **kw: made.append(TapEnv(*a, **kw)) or made[-1])
     ev.main(["--suite", "libero_spatial", "--ckpt", ck, "--tasks", "0", "--trials", "2", "--max-steps", "7",

@@ -399,7 +399,8 @@ def run(argv=None):
             dist.all_gather_object(gathered, mine)
         if rank == 0:
             save_checkpoint(ckpt_path, dict(
-                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg), stats=fd.stats,
+                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
+                stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
                 vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
                 sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
                 rng=[g["rng"] for g in gathered],
