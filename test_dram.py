@@ -1335,15 +1335,57 @@ def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
     assert float(clipped) == pytest.approx(0.01 * float(raw), rel=1e-3)
 
 
+def ddp_window(host, rank):
+    """Rank `rank`'s batch of the DDP step check: its own random window; rank 1 has fewer valid frames, so the mean
+    over all frames differs from the mean of the ranks' means."""
+    feats, instr, b = random_window(host, seed=rank)
+    b["frame_valid"][1, 1:] = rank == 0
+    return dict(tokens=feats, instr=instr, state=b.pop("state_vec"), reset=torch.ones(2, dtype=torch.bool), **b)
+
+
+def ddp_first_step(out):
+    """Run by test_ddp_two_processes_gloo in each torchrun process, before train.py: one train.train_step on this
+    rank's window (tau and noise drawn from seed = rank, no clipping); its loss, gradients and weights to out."""
+    dist, rank, world = torch.distributed, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # a store of its own: train.py's group then starts from torchrun's store unused
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    host = perturb(tiny_host("dit"))
+    params, batch = host.trainable_parameters(), ddp_window(host, rank)
+    torch.manual_seed(rank)
+    loss, _, _ = train.train_step(host, train.make_optimizer(host, 1e-3, 0.01, 2.0), params, batch,
+                                  host.init_state(2), math.inf, world)
+    torch.save(dict(loss=loss, grads=[p.grad for p in params], weights=[p.detach() for p in params]),
+               Path(out) / f"step{rank}.pt")
+    dist.destroy_process_group()
+
+
 def test_ddp_two_processes_gloo(tmp_path):
-    """torchrun, 2 CPU processes (gloo): disjoint episode shares, weights in sync (train.py checks), pooled stats."""
+    """torchrun, 2 CPU processes (gloo): disjoint episode shares, weights in sync (train.py checks), pooled stats; the
+    first step's loss, gradients and update are a single process's on both ranks' windows together."""
     data.generate_memory_suite(tmp_path / "data", n_episodes=3, progress=False)
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
             "--steps", "12", "--device", "cpu"] + TINY
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "train.py"] + args, cwd=Path(train.__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=600)
+                        __file__, "--ddp-first-step", str(tmp_path)] + args, cwd=Path(train.__file__).parent,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    host = perturb(tiny_host("dit"))  # one process, both windows: the sum of their frames' losses / all their frames
+    params, loss_sum, frames = host.trainable_parameters(), 0, 0
+    for rank in (0, 1):
+        b = ddp_window(host, rank)
+        torch.manual_seed(rank)  # each rank's tau and noise
+        s, n, _ = host.loss(b["tokens"], b["instr"], host.init_state(2), b["state"], b["actions"], b["action_mask"],
+                            b["frame_valid"])
+        loss_sum, frames = loss_sum + s, frames + n
+    assert frames == 6 + 4
+    (loss_sum / frames).backward()
+    train.make_optimizer(host, 1e-3, 0.01, 2.0).step()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"step{rank}.pt", weights_only=True)
+        assert float(got["loss"]) == pytest.approx(float(loss_sum / frames), rel=1e-6)
+        for p, g, w in zip(params, got["grads"], got["weights"]):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(w, p.detach(), rtol=1e-6, atol=1e-8)
     ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
     assert ck["world"] == 2 and ck["step"] == 12 and len(ck["sampler"]) == 2
     assert len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"]) == 12
@@ -1916,3 +1958,8 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
     pip = re.search(r"pip install (.*)", setup).group(1)
     assert "python -m pytest -q" in setup and "\npython -m pytest -q\n" in ci and f"pip install -q {pip}" in ci
+
+
+if __name__ == "__main__":  # test_ddp_two_processes_gloo's torchrun processes: the step check, then train.py
+    ddp_first_step(sys.argv[2])
+    train.main(sys.argv[3:])

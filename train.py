@@ -202,29 +202,36 @@ def lr_at(step, a):
 
 
 # ---- One training step -------------------------------------------------------------------------------------------
+def all_reduce_grads(params):
+    """Sum the gradients of `params` over the ranks in one all-reduce of a flat buffer (a parameter this rank left
+    without a gradient adds zeros); each .grad becomes a view into the sum."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # [P]
+    dist.all_reduce(flat)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)  # [numel] -> p's shape
+
+
 def train_step(host, opt, params, batch, state, clip, world=1):
     """One TBPTT step: zero the memory rows of streams that start an episode, flow-matching loss (eq. fm, mean over
-    valid frames), backward through the whole window, clip, AdamW. state [B, ...]: carried from the stream's previous
-    window (detached there). -> (loss [], this rank's valid frames [], new state detached)."""
+    the valid frames of all ranks), backward through the whole window, clip, AdamW. state [B, ...]: carried from the
+    stream's previous window (detached there). -> (loss [] over all ranks, this rank's valid frames [], new state
+    detached)."""
     state = host.reset_state(state.detach(), batch["reset"])
     # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda):
         loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
                                        batch["action_mask"], batch["frame_valid"])
-    n_all = n.float()  # a new tensor: n itself stays this rank's count
-    if world > 1:  # valid-frame losses are averaged over all ranks' frames
-        dist.all_reduce(n_all)
-    loss = loss_sum / n_all.clamp(min=1)
+    total = torch.stack([loss_sum.detach().float(), n.float()])  # [2] loss sum, valid frames; n stays this rank's
+    if world > 1:  # one call: every rank's loss and frames
+        dist.all_reduce(total)
+    loss = loss_sum / total[1].clamp(min=1)  # this rank's share of the mean over all ranks' valid frames
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    if world > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)  # sum of per-rank sums / total frames = mean over all valid frames
+    if world > 1:  # the sum of the shares' gradients = the gradient of the mean over all valid frames
+        all_reduce_grads(params)
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
-    return loss.detach(), n, state.detach()
+    return total[0] / total[1].clamp(min=1), n, state.detach()
 
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult):
@@ -417,7 +424,7 @@ def run(argv=None):
         loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
         frames += int(n)
-        lv = loss.item() * world  # this rank's share, rescaled for display
+        lv = loss.item()  # the mean over all ranks' valid frames
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss is {lv} at step {step}; lower --lr or check the data")
         losses.append(lv)
