@@ -58,6 +58,13 @@ class Demo:
     actions: np.ndarray  # float32 [T, Da]
 
 
+def task_name(path):
+    """A demo file's task name: `<task name>_demo.hdf5` (LIBERO's create_dataset names its files by the task's .bddl
+    file, whose stem is the benchmark's task.name; the embedded suite by its data.MEMORY_TASKS key). Checkpoints store
+    each task's instruction under this name and eval.py asks for it by task name."""
+    return Path(path).name.removesuffix("_demo.hdf5")
+
+
 def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
     """Sorted `<data_root>/<suite>/*_demo.hdf5`. Missing memory-suite files are generated first (**memory_kwargs) if
     generate, by default only into DEFAULT_DATA_ROOT: a folder the user names is only read. A missing file or LIBERO
@@ -729,13 +736,6 @@ def import_mikasa():
     return gymnasium, apply_mikasa_vla_wrappers
 
 
-def mikasa_instruction(task):
-    """The instruction the task's env reports in its info (its class attribute), without building the env."""
-    import_mikasa()
-    from mani_skill.utils.registration import REGISTERED_ENVS
-    return REGISTERED_ENVS[MIKASA_TASKS[task][0]].cls.LANGUAGE_INSTRUCTION
-
-
 class MikasaEnv:
     """One MIKASA-Robo VLA task: ManiSkill3 on CPU physics and rendering, the canonical settings and wrapper stack.
     reset(seed) -> raw obs in LIBERO's demo layout; step(action [7]) -> (obs, success so far, done): an episode ends
@@ -895,7 +895,7 @@ def main(argv=None):
             demos = [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos]
             suite += demos
             lens = [len(a) for _, _, a in demos]
-            ceiling = CEILINGS.get(args.suite, {}).get(p.name[:-len("_demo.hdf5")])
+            ceiling = CEILINGS.get(args.suite, {}).get(task_name(p))
             print(f"{p.name}: {len(lens)} demos, T {min(lens)}-{max(lens)}, '{instr}'"
                   + ("" if ceiling is None else f", memoryless ceiling {ceiling:.3f}"))
         check_values(suite)

@@ -9,9 +9,12 @@ the openpi protocol, and the memory reset-interval ablation (fig:reset).
 
 Deployment (Sec. 3.4): the memory resets at every episode start; each observation is one policy.act call = one memory
 read-write transition. A policy provides reset(rows, new_episode, rngs) (bool [n] each; rngs {row: numpy Generator}
-of the episodes starting, their randomness) and act(observations, instructions) -> actions [n, Da]; an environment
-reset(trial) -> obs, step(action) -> (obs, success, done, info), .instruction, .max_steps, close(). Observations
-carry the keys of LIBERO's demo HDF5 `obs/` group (images upside down).
+of the episodes starting, their randomness), act(observations, instructions) -> actions [n, Da] and .instructions
+({task name: instruction} it was trained with, None: it reads none); an environment reset(trial) -> obs,
+step(action) -> (obs, success, done, info), .max_steps, close(). Observations carry the keys of LIBERO's demo HDF5
+`obs/` group (images upside down). A task's instruction is the one training read from its demo file, asked for by
+the task's name: LIBERO's task.language, derived from the file name, differs for some tasks from the .bddl
+instruction its demos carry.
 """
 import argparse
 import collections
@@ -79,20 +82,33 @@ def import_libero():
 
 
 def suite_tasks(suite, ids=None, trials=1):
-    """[(task_id, task name, instruction)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k."""
+    """[(task_id, task name)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k. The name is
+    what data.task_name gives the task's demo file."""
     if suite == data.MEMORY_SUITE:
-        named = [(name, spec[1]) for name, spec in data.MEMORY_TASKS.items()]
+        named = list(data.MEMORY_TASKS)
     elif suite in data.MIKASA_SUITES:
-        named = [(name, data.mikasa_instruction(name)) for name in data.MIKASA_SUITES[suite]]
+        named = list(data.MIKASA_SUITES[suite])
     else:
         bench = import_libero()[0].get_benchmark_dict()[suite]()
-        named = [(bench.get_task(t).name, bench.get_task(t).language) for t in range(bench.get_num_tasks())]
+        named = [bench.get_task(t).name for t in range(bench.get_num_tasks())]
     ids = list(range(len(named)) if ids is None else ids)
     if len(set(ids)) < len(ids) or not all(0 <= t < len(named) for t in ids):
         raise hosts.ConfigError(f"--tasks {ids}: distinct task ids of {suite}, which has tasks 0..{len(named) - 1}")
     if suite in LIBERO_MAX_STEPS and (short := [t for t in ids if len(bench.get_task_init_states(t)) < trials]):
         raise hosts.ConfigError(f"--trials {trials}: {suite} task {short[0]} has fewer fixed initial states")
-    return [(t, *named[t]) for t in ids]
+    return [(t, named[t]) for t in ids]
+
+
+def task_instructions(policy, tasks, suite, ckpt):
+    """{task_id: the instruction `policy` was trained with for that task} for tasks [(task_id, name)], looked up by
+    name; a policy that reads none (.instructions None) gets None. A task it was not trained on is a ConfigError."""
+    if policy.instructions is None:
+        return {t: None for t, _ in tasks}
+    if unknown := [name for _, name in tasks if name not in policy.instructions]:
+        raise hosts.ConfigError(f"{ckpt} was not trained on {suite} task {unknown[0]} ({len(unknown)} of the "
+                                f"{len(tasks)} tasks asked for are unknown to it): train it with "
+                                f"<data>/{suite}/{unknown[0]}_demo.hdf5, or pick the tasks it knows with --tasks")
+    return {t: policy.instructions[name] for t, name in tasks}
 
 
 class LiberoEnv:
@@ -103,7 +119,7 @@ class LiberoEnv:
         benchmark, get_libero_path, OffScreenRenderEnv = import_libero()
         bench = benchmark.get_benchmark_dict()[suite]()
         task = bench.get_task(task_id)
-        self.instruction, self.max_steps = task.language, max_steps or LIBERO_MAX_STEPS[suite]  # without wait steps
+        self.max_steps = max_steps or LIBERO_MAX_STEPS[suite]  # without wait steps
         self.init_states = np.asarray(bench.get_task_init_states(task_id))  # [n_init, state_dim]
         bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
         try:
@@ -137,7 +153,7 @@ class MemorySuiteEnv:
     def __init__(self, task_id, seed, image_size=64):
         self.task_id, self.seed = task_id, seed
         self.env = data.MemoryEnv(list(data.MEMORY_TASKS)[task_id], img_size=image_size)
-        self.instruction, self.max_steps = self.env.instruction, self.env.max_steps
+        self.max_steps = self.env.max_steps
 
     def reset(self, trial):
         return self.env.reset(seed=[self.seed, self.task_id, trial])
@@ -160,7 +176,7 @@ class MikasaSuiteEnv:
         if image_size != 128:
             raise hosts.ConfigError(f"MIKASA-Robo renders 128 px; this checkpoint was trained on {image_size} px")
         self.task_id, self.env = task_id, data.MikasaEnv(list(data.MIKASA_SUITES[suite])[task_id])
-        self.max_steps, self.instruction = self.env.max_steps, data.mikasa_instruction(self.env.task)
+        self.max_steps = self.env.max_steps
 
     def reset(self, trial):
         return self.env.reset(data.MIKASA_START_SEED + trial)
@@ -187,7 +203,7 @@ class Slot:
         if self.task != task_id:
             self.close()
             self.env, self.task = self.make_env(task_id), task_id
-        return self.env.reset(trial), self.env.instruction, self.env.max_steps
+        return self.env.reset(trial), self.env.max_steps
 
     def step(self, action):
         return self.env.step(action)
@@ -224,7 +240,7 @@ class EnvSlots:
             self.slots = [Slot(make_env) for _ in range(n)]
 
     def call(self, cmd, args):
-        """cmd "reset", args {slot: (task_id, trial)} -> {slot: (obs, instruction, max_steps)};
+        """cmd "reset", args {slot: (task_id, trial)} -> {slot: (obs, max_steps)};
         cmd "step", args {slot: action [Da]} -> {slot: (obs, success, done, info)}."""
         if not self.processes:
             return {i: getattr(self.slots[i], cmd)(a) for i, a in args.items()}
@@ -250,21 +266,23 @@ class EnvSlots:
 
 
 # ---- The rollout loop ------------------------------------------------------------------------------------------------
-def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
-    """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step; yields each episode's record as
-    it ends. Row i of the policy batch is slot i: an idle slot re-feeds its last observation (actions discarded).
+def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0):
+    """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step with the instructions
+    {task_id: instruction} (task_instructions); yields each episode's record as it ends. Row i of the policy batch
+    is slot i: an idle slot re-feeds its last observation (actions discarded).
     Episode (task_id, trial) draws its policy noise from its own generator [seed, task_id, trial, 1] (the embedded
     suite's layout: [seed, task_id, trial]), whatever runs before it, beside it or in another process."""
     queue = list(episodes)
     n = min(slots.n, len(queue))
     ep = [None] * n  # (task_id, trial) running in slot i, None when idle
     frame = np.zeros(n, dtype=np.int64)  # [n] observation index within the episode
-    obs, instr, max_steps, t_start = [None] * n, [""] * n, [0] * n, [0.0] * n
+    obs, instr, max_steps, t_start = [None] * n, [None] * n, [0] * n, [0.0] * n
 
     def start(slot_ids):
         jobs = {i: queue.pop(0) for i in slot_ids if queue}
-        for i, (o, ins, ms) in slots.call("reset", jobs).items():
-            ep[i], obs[i], instr[i], max_steps[i], frame[i], t_start[i] = jobs[i], o, ins, ms, 0, time.time()
+        for i, (o, ms) in slots.call("reset", jobs).items():
+            ep[i], obs[i], max_steps[i], frame[i], t_start[i] = jobs[i], o, ms, 0, time.time()
+            instr[i] = instructions[ep[i][0]]
 
     start(range(n))
     while any(e is not None for e in ep):
@@ -294,7 +312,7 @@ def run_episodes(slots, policy, episodes, reset_every=0, seed=0):
 # ---- Policies --------------------------------------------------------------------------------------------------------
 class ZeroPolicy:
     """Stand-in policy for a simulator check: no motion, gripper open (the protocol's wait action)."""
-    sha1, frame_size = None, (128, 128)  # rendered at the LIBERO demos' resolution
+    sha1, frame_size, instructions = None, (128, 128), None  # rendered at the LIBERO demos' resolution
 
     def reset(self, rows, new_episode, rngs=None):
         pass
@@ -312,6 +330,7 @@ class CheckpointPolicy:
         self.stats, self.device = ck["stats"], torch.device(device)
         self.suite, self.frame_size = ck["suite"], tuple(ck["frame_size"])  # what it was trained on: (H, W)
         self.sha1 = ck["file_sha1"]  # names the policy in episode logs: a file retrained in place never resumes one
+        self.instructions = ck["instructions"]  # {task name: instruction} as training read them from the demo files
         if not 1 <= replan <= self.host.cfg.chunk:
             raise hosts.ConfigError(f"--replan {replan} must be in [1, chunk = {self.host.cfg.chunk}] for {ckpt}")
         self.replan, self.use_graphs = replan, cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
@@ -438,10 +457,10 @@ def load_log(path):
 
 
 def summarize(records, tasks):
-    """records, tasks [(task_id, name, instruction)] -> {"tasks": [row per task], "mean" success rate over tasks,
+    """records, tasks [(task_id, name)] -> {"tasks": [row per task], "mean" success rate over tasks,
     "episodes"}; a row counts the failures by how they ended (untouched: a pad task never touched its target)."""
     rows = []
-    for task_id, name, _ in tasks:
+    for task_id, name in tasks:
         eps = [r for r in records if r["task_id"] == task_id]
         n_ok = sum(bool(r["success"]) for r in eps)
         fails = [r for r in eps if not r["success"] and "outcome" in r]
@@ -484,9 +503,10 @@ def write_results(out, suite, summaries, settings):
     print(f"wrote {out}/results.md, summary.json")
 
 
-def evaluate(tasks, trials, policy, slots, out, settings, reset_every=0):
+def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_every=0):
     """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, logging each as it ends; -> their
-    summary. settings (stored in every record) must match the log's: a table never mixes experiments."""
+    summary. settings (stored in every record) must match the log's: a table never mixes experiments. instructions:
+    {task_id: instruction} (task_instructions)."""
     os.makedirs(out, exist_ok=True)
     log_path = os.path.join(out, "episodes.jsonl")
     logged = load_log(log_path) if os.path.exists(log_path) else []
@@ -496,10 +516,10 @@ def evaluate(tasks, trials, policy, slots, out, settings, reset_every=0):
                 raise hosts.ConfigError(f"{log_path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
                                         f"pass another --out (or delete the log) instead of mixing runs")
     have = {(r["task_id"], r["trial"]) for r in logged}
-    todo = [(t, k) for t, _, _ in tasks for k in range(trials) if (t, k) not in have]
-    names = {t: name for t, name, _ in tasks}
+    todo = [(t, k) for t, _ in tasks for k in range(trials) if (t, k) not in have]
+    names = dict(tasks)
     with open(log_path, "a") as log:
-        episodes = run_episodes(slots, policy, todo, reset_every, settings["seed"])
+        episodes = run_episodes(slots, policy, todo, instructions, reset_every, settings["seed"])
         for rec in tqdm(episodes, total=len(todo), desc=out, unit="episode"):
             rec = dict(settings, task=names[rec["task_id"]], **rec)
             log.write(json.dumps(rec) + "\n")
@@ -520,7 +540,9 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
         if policy.suite != suite:
             raise hosts.ConfigError(f"{ck} was trained on {policy.suite}; evaluate it with --suite {policy.suite}")
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
-    for i, (name, policy) in enumerate((policies or {"zero": ZeroPolicy()}).items()):
+    running = policies or {"zero": ZeroPolicy()}
+    instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
+    for i, (name, policy) in enumerate(running.items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
         where = (os.path.join(ck_dir, f"eval_{suite}_L{reset_every}") if out is None else out if len(policies) < 2
                  else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
@@ -534,7 +556,8 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
         # rendered as the policy's training frames were
         slots = EnvSlots(functools.partial(env, seed=seed, image_size=policy.frame_size[0]), n, processes)
         try:
-            summaries[name] = evaluate(task_list, trials, policy, slots, where, settings, reset_every)
+            summaries[name] = evaluate(task_list, trials, policy, slots, where, settings, instructions[name],
+                                       reset_every)
         finally:
             slots.close()
         write_results(where, suite, {name: summaries[name]}, dict(settings, trials=trials))

@@ -33,7 +33,6 @@ from pathlib import Path
 from unittest import mock
 
 import huggingface_hub
-import numpy as np
 import timm
 import torch
 import torch.nn as nn
@@ -583,8 +582,8 @@ def save_checkpoint(path, obj):
 
 
 def nonfinite(obj):
-    """Key paths ("model/head.out.1.weight") of the float tensors and numpy arrays holding NaN/inf in `obj` (nested
-    dicts, lists, tuples), one host sync for all. Python numbers are not checked: --clip inf is on purpose."""
+    """Key paths ("model/head.out.1.weight") of the float tensors holding NaN/inf in `obj` (nested dicts, lists,
+    tuples), one host sync for all. Python numbers are not checked: --clip inf is on purpose."""
     checks = []  # (key path, bool tensor: all finite)
 
     def walk(x, name):
@@ -593,8 +592,6 @@ def nonfinite(obj):
                 walk(v, f"{name}/{k}" if name else str(k))
         elif torch.is_tensor(x) and torch.is_floating_point(x):
             checks.append((name, torch.isfinite(x).all()))
-        elif isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
-            checks.append((name, torch.tensor(bool(np.isfinite(x).all()))))
 
     walk(obj, "")
     ok = torch.stack([c for _, c in checks]).tolist() if checks else []
@@ -602,18 +599,22 @@ def nonfinite(obj):
 
 
 def read_checkpoint(path):
-    """-> ckpt dict on the CPU, ckpt["file_sha1"] naming the file's bytes. A file that is not a train.py checkpoint
-    (truncated, another format, NaN/inf in any tensor or array it holds) raises data.DataError naming it and the key."""
+    """-> ckpt dict on the CPU (stats as float32 numpy arrays), ckpt["file_sha1"] naming the file's bytes. Read with
+    weights_only: tensors and plain values only, no code from the file runs. A file that is not a train.py checkpoint
+    (truncated, another format, other objects, NaN/inf in any tensor) raises data.DataError naming it and the key."""
     raw = Path(path).read_bytes()
     try:
-        ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from e
-    for k in ("config", "model", "stats", "tower_fingerprint"):
+        ck = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only's refusal is a page of advice: keep its reason, the WeightsUnpickler line
+        reason = " ".join(str(e).split()).split("WeightsUnpickler error:")[-1].split(". ")[0].strip()
+        raise data.DataError(f"{path} is not a readable checkpoint ({type(e).__name__}: {reason}); it is read as "
+                             f"tensors and plain values only, never as code: train it with train.py") from e
+    for k in ("config", "model", "stats", "instructions", "tower_fingerprint"):
         if not isinstance(ck, dict) or k not in ck:
             raise data.DataError(f"{path} is not a train.py checkpoint (no '{k}')")
     if bad := nonfinite(ck):
         raise data.DataError(f"{path}: {', '.join(bad[:3])} hold NaN/inf; this checkpoint cannot act or resume")
+    ck["stats"] = {k: v.numpy() for k, v in ck["stats"].items()}  # data.normalize works on numpy arrays
     ck["file_sha1"] = hashlib.sha1(raw).hexdigest()[:16]
     return ck
 

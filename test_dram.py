@@ -831,7 +831,7 @@ def test_scan_checks_frame_size_and_action_width(tmp_path):
     b = _corrupt(tmp_path, {D1 + "actions": np.zeros((5, 6))})  # train.scan checks every demo, before encoding
     with pytest.raises(data.DataError, match=r"bad_demo.hdf5: data/demo_1/actions.*a_demo.hdf5: data/demo_0/actions"):
         train.scan([a, b])
-    assert train.scan([a]) == (["pick up the bowl"], 7, (8, 10))
+    assert train.scan([a]) == ({"a": "pick up the bowl"}, 7, (8, 10))  # keyed by the task name: the file stem
 
 
 @pytest.mark.parametrize("key, value, refused", [
@@ -1164,10 +1164,11 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(trained):
                 b[k] for k in ("state", "actions", "action_mask", "frame_valid"))) for _ in range(8))) / 8
     assert loss(host) < 0.8 * loss(init)
     assert c["step"] == 100 and c["vocab"] == list(host.cfg.vocab) and len(host.cfg.vocab) == len(data.MEMORY_TASKS)
+    assert c["instructions"] == {name: spec[1] for name, spec in data.MEMORY_TASKS.items()}  # by task name
     assert all(torch.equal(host.state_dict()[k], v) for k, v in c["model"].items())  # trainable weights bit-exactly
     assert not any(k.startswith("tower.") for k in c["model"])  # the frozen tower is rebuilt, not stored
     pytest.raises(hosts.ConfigError, hosts.load_checkpoint, ck, expect={"host": "vla"}).match("host='dit'")
-    older = torch.load(ck, weights_only=False)
+    older = torch.load(ck, weights_only=True)
     del older["config"]["write_centre"]  # a field this HostConfig has, that an older train.py did not write
     torch.save(older, root / "older.pt")
     pytest.raises(hosts.ConfigError, hosts.load_checkpoint, root / "older.pt").match("lacks write_centre")
@@ -1181,11 +1182,11 @@ def test_resume_is_exact(tmp_path, capsys):
     assert "c/ckpt.pt" in usage_error(lambda argv: tiny_train(tmp_path, "c", *argv), ["--resume"], capsys)
     assert not (tmp_path / "c").exists()  # a missing checkpoint is named before anything runs
     tiny_train(tmp_path, "b", "--steps", "10", "--save-every", "100", "--stop-at", "6")  # "interrupted" at 6
-    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 6
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 6
     # the resumed command names only the run: TINY's architecture, --lr, --steps come from the checkpoint
     b = train.main(["--out", str(tmp_path / "b"), "--data", str(tmp_path / "data"), "--cache-dir",
                     str(tmp_path / "cache"), "--resume"])
-    wa, wb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert wb["step"] == 10 and wb["args"]["lr"] == 3e-3 and wb["args"]["steps"] == 10
     assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"])
     assert torch.equal(wa["mem_state"][0], wb["mem_state"][0]) and wa["sampler"] == wb["sampler"]
@@ -1196,7 +1197,7 @@ def test_resume_is_exact(tmp_path, capsys):
         assert flag in usage_error(resume_b, [flag, v], capsys)
     # the schedule may change: train on to more steps with another weight decay
     wd = torch.load(tiny_train(tmp_path, "b", "--steps", "11", "--resume", "--weight-decay", "0.5"),
-                    weights_only=False)["optimizer"]["param_groups"]
+                    weights_only=True)["optimizer"]["param_groups"]
     assert sorted(g["weight_decay"] for g in wd) == [0.0, 0.0, 0.5, 0.5]
 
 
@@ -1251,7 +1252,7 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     """Torn writes and NaN steps leave the last good checkpoint; NaN/inf in a checkpoint is refused naming file and
     key; a start removes only killed writers' temporary files; --mem-lr-mult 0 keeps DRAM's initial weights exactly."""
     good = tiny_train(tmp_path, "a", "--steps", "2", "--save-every", "1", "--mem-lr-mult", "0")
-    before, ck = Path(good).read_bytes(), torch.load(good, weights_only=False)
+    before, ck = Path(good).read_bytes(), torch.load(good, weights_only=True)
     torch.manual_seed(0)  # train.py seeds before building the host: this is the initial policy
     init = make_host("dit", HostConfig(**ck["config"])).state_dict()
     mem = {k: torch.equal(v, init[k]) for k, v in ck["model"].items() if k.startswith("memory.")}
@@ -1282,7 +1283,7 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     assert Path(good).read_bytes() == before and not any(p.exists() for p in stale) and all(p.exists() for p in live)
     name = next(iter(ck["model"]))
     for key in (f"model/{name}", "stats/action_std", "optimizer/state/0/exp_avg_sq", "mem_state/0"):  # nested
-        bad = copy.deepcopy(ck)  # tensors and numpy arrays, in dicts (int keys too) and lists
+        bad = copy.deepcopy(ck)  # tensors in dicts (int keys too) and lists
         functools.reduce(lambda c, k: c[int(k) if k.isdigit() else k], key.split("/"), bad).reshape(-1)[-1] = math.nan
         torch.save(bad, tmp_path / "bad.pt")
         pytest.raises(data.DataError, hosts.read_checkpoint, tmp_path / "bad.pt").match(re.escape(f"bad.pt: {key}"))
@@ -1290,6 +1291,29 @@ def test_checkpoints_are_atomic_and_never_hold_nan(tmp_path, monkeypatch, capsys
     torch.save(ck, good)
     err = usage_error(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "a"), "--resume"], capsys)
     assert "ckpt.pt" in err and name in err
+
+
+class RunsCode:
+    """Unpickled, it calls open(path, "w"): a stand-in for a checkpoint whose pickle runs code when loaded."""
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path, capsys):
+    """Checkpoints load with weights_only: one carrying a pickled object that runs code is refused, naming the file,
+    and the code never runs (eval.py and train.py --resume: one line, exit 2)."""
+    ck, ran = torch.load(trained[1], weights_only=True), tmp_path / "ran"
+    torch.save(dict(ck, config=dict(ck["config"], note=RunsCode(ran))), tmp_path / "ckpt.pt")
+    torch.load(tmp_path / "ckpt.pt", weights_only=False)  # the payload is live: a full unpickle runs it
+    assert ran.exists()
+    ran.unlink()
+    for main, argv in ((ev.main, ["--ckpt", str(tmp_path / "ckpt.pt")]), (train.main, ["--out", str(tmp_path),
+                                                                                         "--resume"])):
+        err = usage_error(main, argv, capsys)
+        assert len(err.strip().splitlines()) == 1 and str(tmp_path / "ckpt.pt") in err and not ran.exists(), err
 
 
 def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
@@ -1311,16 +1335,58 @@ def test_train_step_zeros_the_memory_of_streams_that_start_an_episode():
     assert float(clipped) == pytest.approx(0.01 * float(raw), rel=1e-3)
 
 
+def ddp_window(host, rank):
+    """Rank `rank`'s batch of the DDP step check: its own random window; rank 1 has fewer valid frames, so the mean
+    over all frames differs from the mean of the ranks' means."""
+    feats, instr, b = random_window(host, seed=rank)
+    b["frame_valid"][1, 1:] = rank == 0
+    return dict(tokens=feats, instr=instr, state=b.pop("state_vec"), reset=torch.ones(2, dtype=torch.bool), **b)
+
+
+def ddp_first_step(out):
+    """Run by test_ddp_two_processes_gloo in each torchrun process, before train.py: one train.train_step on this
+    rank's window (tau and noise drawn from seed = rank, no clipping); its loss, gradients and weights to out."""
+    dist, rank, world = torch.distributed, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # a store of its own: train.py's group then starts from torchrun's store unused
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    host = perturb(tiny_host("dit"))
+    params, batch = host.trainable_parameters(), ddp_window(host, rank)
+    torch.manual_seed(rank)
+    loss, _, _ = train.train_step(host, train.make_optimizer(host, 1e-3, 0.01, 2.0), params, batch,
+                                  host.init_state(2), math.inf, world)
+    torch.save(dict(loss=loss, grads=[p.grad for p in params], weights=[p.detach() for p in params]),
+               Path(out) / f"step{rank}.pt")
+    dist.destroy_process_group()
+
+
 def test_ddp_two_processes_gloo(tmp_path):
-    """torchrun, 2 CPU processes (gloo): disjoint episode shares, weights in sync (train.py checks), pooled stats."""
+    """torchrun, 2 CPU processes (gloo): disjoint episode shares, weights in sync (train.py checks), pooled stats; the
+    first step's loss, gradients and update are a single process's on both ranks' windows together."""
     data.generate_memory_suite(tmp_path / "data", n_episodes=3, progress=False)
     args = ["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "ddp"),
             "--steps", "12", "--device", "cpu"] + TINY
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "train.py"] + args, cwd=Path(train.__file__).parent, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                       capture_output=True, text=True, timeout=600)
+                        __file__, "--ddp-first-step", str(tmp_path)] + args, cwd=Path(train.__file__).parent,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=False)
+    host = perturb(tiny_host("dit"))  # one process, both windows: the sum of their frames' losses / all their frames
+    params, loss_sum, frames = host.trainable_parameters(), 0, 0
+    for rank in (0, 1):
+        b = ddp_window(host, rank)
+        torch.manual_seed(rank)  # each rank's tau and noise
+        s, n, _ = host.loss(b["tokens"], b["instr"], host.init_state(2), b["state"], b["actions"], b["action_mask"],
+                            b["frame_valid"])
+        loss_sum, frames = loss_sum + s, frames + n
+    assert frames == 6 + 4
+    (loss_sum / frames).backward()
+    train.make_optimizer(host, 1e-3, 0.01, 2.0).step()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"step{rank}.pt", weights_only=True)
+        assert float(got["loss"]) == pytest.approx(float(loss_sum / frames), rel=1e-6)
+        for p, g, w in zip(params, got["grads"], got["weights"]):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(w, p.detach(), rtol=1e-6, atol=1e-8)
+    ck = torch.load(tmp_path / "ddp" / "ckpt.pt", weights_only=True)
     assert ck["world"] == 2 and ck["step"] == 12 and len(ck["sampler"]) == 2
     assert len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"]) == 12
     assert ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]  # the ranks walked disjoint episodes
@@ -1397,7 +1463,7 @@ def test_quat2axisangle_closed_forms_and_rotation():
 class ToyEnv:
     """Episode (task, trial) succeeds at step 3 + task + 2 * trial for even trials; odd ones time out at max_steps."""
     def __init__(self, task_id, max_steps=12):
-        self.task_id, self.max_steps, self.instruction = task_id, max_steps, f"toy task {task_id}"
+        self.task_id, self.max_steps = task_id, max_steps
 
     def reset(self, trial):
         self.trial, self.t = trial, 0
@@ -1413,8 +1479,12 @@ class ToyEnv:
         pass
 
 
+TOY = {t: f"toy task {t}" for t in range(3)}  # ToyEnv's instructions, by task id
+
+
 class RecordingPolicy:
-    """Logs (episode, frame, frames since reset) per row and call; draws each row's episode rng; NaN at nan_at(obs)."""
+    """Logs (episode, frame, frames since reset, instruction) per row and call; draws each row's episode rng; NaN at
+    nan_at(obs)."""
     def __init__(self, nan_at=lambda obs: False):
         self.calls, self.draws, self.count, self.starts, self.nan_at, self.rngs = [], [], 0, 0, nan_at, {}
 
@@ -1426,7 +1496,7 @@ class RecordingPolicy:
         self.rngs.update(rngs)
 
     def act(self, observations, instructions):
-        self.calls.append([(o["ep"], o["t"], c) for o, c in zip(observations, self.count)])
+        self.calls.append([(o["ep"], o["t"], c, i) for o, c, i in zip(observations, self.count, instructions)])
         self.draws.append([self.rngs[i].random() for i in range(len(observations))])
         self.count += 1
         return np.where([[self.nan_at(o)] for o in observations], np.nan, np.zeros((len(observations), 7)))
@@ -1441,10 +1511,11 @@ class PadPresser(ev.ZeroPolicy):
 @pytest.mark.parametrize("L", [0, 1, 4, 5])
 def test_reset_schedule_per_row(L):
     episodes, policy = [(t, k) for t in range(2) for k in range(3)], RecordingPolicy()
-    recs = list(ev.run_episodes(ev.EnvSlots(ToyEnv, 2), policy, episodes, reset_every=L))
+    recs = list(ev.run_episodes(ev.EnvSlots(ToyEnv, 2), policy, episodes, TOY, reset_every=L))
     expect = {(t, k): (3 + t + 2 * k if k % 2 == 0 else 12) for t, k in episodes}  # episode lengths
     fed = {e: [] for e in episodes}
-    for ep, t, count in [row for call in policy.calls for row in call]:
+    for ep, t, count, instruction in [row for call in policy.calls for row in call]:
+        assert instruction == TOY[ep[0]]  # each row gets its own episode's task instruction
         if t < expect[ep]:  # else an idle row (queue empty) re-feeding its episode's last obs, its action discarded
             fed[ep].append(t)
             assert count == (t if L == 0 else t - L * (t // L)), (ep, t, count, L)  # frames since a multiple of L
@@ -1456,10 +1527,10 @@ def test_reset_schedule_per_row(L):
 
 def test_embedded_suite_in_workers(tmp_path):
     """Spawn workers give the in-process records; layout seed [seed, task, trial]; a worker error or NaN stops it."""
-    tasks, make = [(i, list(data.MEMORY_TASKS)[i], "") for i in (0, 2)], functools.partial(ev.MemorySuiteEnv, seed=7)
+    tasks, make = [(i, list(data.MEMORY_TASKS)[i]) for i in (0, 2)], functools.partial(ev.MemorySuiteEnv, seed=7)
     with contextlib.closing(ev.EnvSlots(make, 2, processes=True)) as slots:
-        s = ev.evaluate(tasks, 3, PadPresser(), slots, str(tmp_path), dict(seed=7))
-    local = ev.run_episodes(ev.EnvSlots(make, 2), PadPresser(), [(t, k) for t in (0, 2) for k in range(3)])
+        s = ev.evaluate(tasks, 3, PadPresser(), slots, str(tmp_path), dict(seed=7), TOY)
+    local = ev.run_episodes(ev.EnvSlots(make, 2), PadPresser(), [(t, k) for t in (0, 2) for k in range(3)], TOY)
     key = lambda r: (r["task_id"], r["trial"], r["steps"], r["success"], r["outcome"], r["touches"])  # noqa: E731
     ends = [(0, k, data.MAX_STEPS["cue_colour"], False, "timeout", None) for k in range(3)]
     ends += [(2, k, 1, False, "pad_press", 0) for k in range(3)]
@@ -1469,18 +1540,18 @@ def test_embedded_suite_in_workers(tmp_path):
     assert [np.array_equal(image, demo_env.reset(seed=[s, 2, 1])["agentview_rgb"]) for s in (7, 0)] == [True, False]
     with contextlib.closing(ev.EnvSlots(ToyEnv, 1, processes=True)) as slots:  # ToyEnv asserts a 7-dim action
         with pytest.raises(RuntimeError, match=r"worker 0 failed:\n(.|\n)*AssertionError"):
-            list(ev.run_episodes(slots, PadPresser(), [(0, 0)]))
+            list(ev.run_episodes(slots, PadPresser(), [(0, 0)], TOY))
     policy = RecordingPolicy(nan_at=lambda o: o["ep"] == (1, 0) and o["t"] == 2)  # the envs would clip NaN silently
     with pytest.raises(ValueError, match=r"NaN/inf actions \(row 1: \(1, 0\), frame 2\)"):
-        list(ev.run_episodes(ev.EnvSlots(ToyEnv, 2), policy, [(0, 0), (1, 0)]))
+        list(ev.run_episodes(ev.EnvSlots(ToyEnv, 2), policy, [(0, 0), (1, 0)], TOY))
 
 
 def test_jsonl_resume_and_guards(tmp_path):
     """Same noise whatever the RNGs' states; a re-run runs only missing episodes; a bad log line names file:line."""
-    tasks, run = [(0, "toy0", ""), (1, "toy1", "")], dict(policy="rec", seed=7, reset_every=0)
+    tasks, run = [(0, "toy0"), (1, "toy1")], dict(policy="rec", seed=7, reset_every=0)
     make = functools.partial(ToyEnv, max_steps=8)  # task 1 trial 2 succeeds on its last allowed step
     evaluate = lambda trials, policy=None, run=run, out=tmp_path: ev.evaluate(  # noqa: E731
-        tasks, trials, policy or RecordingPolicy(), ev.EnvSlots(make, 1), str(out), run)
+        tasks, trials, policy or RecordingPolicy(), ev.EnvSlots(make, 1), str(out), run, TOY)
     policies = [RecordingPolicy() for _ in range(3)]
     for i, (seed, policy) in enumerate(zip([7, 7, 8], policies)):
         torch.manual_seed(1000 + i), np.random.seed(i)  # whatever state the process happens to be in
@@ -1492,7 +1563,8 @@ def test_jsonl_resume_and_guards(tmp_path):
     assert [(r["task_id"], r["trial"]) for r in ev.load_log(log)] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (1, 2)]
     assert {c[0][0] for c in policy.calls} == {(0, 2), (1, 2)}  # the policy never saw a finished episode again
     assert s2["episodes"] == 6 and [t["successes"] for t in s2["tasks"]] == [2, 2]
-    assert ev.evaluate(tasks, 2, None, ev.EnvSlots(None, 1), str(tmp_path), run) == s1  # log alone: no env, no policy
+    # the log alone: no env, no policy
+    assert ev.evaluate(tasks, 2, None, ev.EnvSlots(None, 1), str(tmp_path), run, TOY) == s1
     for bad, error in [('{"task_id": 0, "tri', "is not valid JSON"), ("[1, 2]", "trial"), ('{"trial": 0}', "task_id")]:
         log.write_text("\n".join(log.read_text().splitlines()[:6] + [bad]) + "\n")
         pytest.raises(data.DataError, evaluate, 3).match(rf"episodes\.jsonl:7 .*{error}")
@@ -1505,10 +1577,10 @@ def test_checkpoint_policy_deployment_semantics(trained):
     stub = torch.arange(C, dtype=torch.float32)[None, :, None]  # [1, C, 1] a stub expert: action c of a chunk is c
     pol.host.sample = lambda ctx, s, ids, noise=None: seen.append(s.clone()) or stub.expand(len(s), C, Da).clone()
     pol.host.step = lambda *a: calls.append(1) or step(*a)
-    env, st = ev.MemorySuiteEnv(0, seed=5), pol.stats
+    env, st, instruction = ev.MemorySuiteEnv(0, seed=5), pol.stats, pol.instructions["cue_colour"]
     obs = env.reset(0)
     pol.reset(np.array([True]))
-    out = [pol.act([obs], [env.instruction])[0] for _ in range(7)]
+    out = [pol.act([obs], [instruction])[0] for _ in range(7)]
     assert len(calls) == 7 and len(seen) == 3 and pol.state.abs().sum() > 0
     np.testing.assert_allclose(seen[0][0].numpy(), (data.policy_frame(obs)[1] - st["state_mean"]) / st["state_std"],
                                rtol=1e-5, atol=1e-6)  # the host sees the state normalised with the checkpoint's stats
@@ -1518,7 +1590,7 @@ def test_checkpoint_policy_deployment_semantics(trained):
         if t % 2 == 0:
             pol.reset(np.array([True]), new_episode=np.array([t == 0]))
             assert pol.state.abs().sum() == 0
-        pol.act([obs], [env.instruction])
+        pol.act([obs], [instruction])
     assert len(seen) == 3 + 3  # new chunks at frames 0, 3, 6 as without the resets
 
 
@@ -1541,7 +1613,9 @@ def test_an_episode_depends_only_on_its_task_trial_and_seed(trained, tmp_path):
     make = functools.partial(ev.MemorySuiteEnv, seed=7, image_size=ev.CheckpointPolicy(ck).frame_size[0])
     def run(out, n=16, tasks=tasks, policy=None):
         with contextlib.closing(TracedSlots(make, n)) as slots:
-            ev.evaluate(tasks, 2, policy or ev.CheckpointPolicy(ck), slots, str(tmp_path / out), dict(seed=7))
+            policy = policy or ev.CheckpointPolicy(ck)
+            ev.evaluate(tasks, 2, policy, slots, str(tmp_path / out), dict(seed=7),
+                        ev.task_instructions(policy, tasks, "memory", ck))
         recs = ev.load_log(tmp_path / out / "episodes.jsonl")
         return {(r["task_id"], r["trial"]): dict(r, wall_s=None) for r in recs}, slots.trace
     full, trace = run("full")
@@ -1564,7 +1638,7 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     assert sorted((r["task_id"], r["trial"]) for r in recs) == [(t, 0) for t in range(6)]
     assert [t["successes"] for t in s["tasks"]] == [r["success"] for r in sorted(recs, key=lambda r: r["task_id"])]
     assert (out / "results.md").read_text() == ev.results_table("memory", {ck: s}) + "\n"
-    c = torch.load(ck, weights_only=False)
+    c = torch.load(ck, weights_only=True)
     name = next(iter(c["model"]))
     torch.save(dict(c, model=dict(c["model"], **{name: c["model"][name] + 1.0})), ck)  # changed in place
     with pytest.raises(hosts.ConfigError, match="checkpoint_sha1"):
@@ -1584,7 +1658,10 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
     assert [ev.get_args(a).replan for a in (["--ckpt", "x.pt"], ["--suite", "libero_10", "--replan", "2"])] == [1, 2]
     ck, good = trained[1], Path(trained[1]).read_bytes()
     torch.save({"state_dict": {}}, tmp_path / "other.pt")
-    torch.save(dict(torch.load(ck, weights_only=False), suite="libero_10"), tmp_path / "libero.pt")
+    torch.save(dict(torch.load(ck, weights_only=True), suite="libero_10"), tmp_path / "libero.pt")
+    c = torch.load(ck, weights_only=True)
+    torch.save(dict(c, instructions={k: v for k, v in c["instructions"].items() if k != "count_2"}),
+               tmp_path / "fewer.pt")  # trained without count_2's demo file
     (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
     (tmp_path / "text.pt").write_bytes(b"not a checkpoint\n")
     (tmp_path / "episodes.jsonl").write_text(json.dumps(dict(suite="memory", task_id=0, trial=0, success=1)))
@@ -1596,7 +1673,7 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
               (["--ckpt", ck, "--tasks", "6"], "--tasks"), (["--ckpt", ck, "--tasks", "0", "0"], "--tasks"),
               (["--suite", "libero_100"], "--suite"), (["--ckpt", ck, "--max-steps", "3"], "--max-steps"),
               (["--suite", "libero_10", "--replan", "0"], "--replan"), (["--reset-every", "-1"], "--reset-every"),
-              (["--ckpt", ck, "--device", "foo"], "--device foo")]
+              (["--ckpt", ck, "--device", "foo"], "--device foo"), (["--ckpt", str(tmp_path / "fewer.pt")], "count_2")]
     for argv, named in cases:
         err = usage_error(ev.main, argv + ([] if "--out" in argv else ["--out", str(tmp_path / "ev")]), capsys)
         assert named in err.strip().splitlines()[-1] and "Traceback" not in err, (argv, err)
@@ -1624,7 +1701,7 @@ def test_cuda_graph_policy_acts_like_the_eager_policy(host, trained, monkeypatch
     if host == "vla":
         ck = tiny_train(trained[0], "vla", "--host", "vla", "--steps", "5", "--device", "cpu")
         monkeypatch.setattr(hosts.VLAHost, "cuda_graphs", True)  # False until this test has passed on a GPU
-    envs = [ev.MemorySuiteEnv(i, seed=5) for i in (0, 3)]
+    envs = [ev.MemorySuiteEnv(i, seed=5) for i in (0, 3)]  # cue_colour, round_trip_blue
     obs = [[e.reset(0) for e in envs]] + [[e.step(np.zeros(3))[0] for e in envs] for _ in range(8)]
     runs = []
     for graphs in (False, True):
@@ -1633,7 +1710,7 @@ def test_cuda_graph_policy_acts_like_the_eager_policy(host, trained, monkeypatch
         for t, o in enumerate(obs):
             if t in (0, 5):
                 pol.reset(np.array([t == 0, True]))
-            acts.append(pol.act(o, [e.instruction for e in envs]))
+            acts.append(pol.act(o, [pol.instructions[n] for n in ("cue_colour", "round_trip_blue")]))
             states.append(pol.state.clone())
         runs.append((np.stack(acts), torch.stack(states), pol.graphed is not None))
     (a0, s0, graphed0), (a1, s1, graphed1) = runs
@@ -1670,22 +1747,50 @@ class TapEnv(ev.LiberoEnv):
         return out
 
 
+def libero_demo_files(root, suite, demo, ids=None):
+    """A demo file per task of `suite` (ids; None: all) as LIBERO writes them: <.bddl stem>_demo.hdf5, problem_info's
+    instruction the .bddl `(:language ...)` text as its data collection and create_dataset.py store it
+    (bddl_utils.get_problem_info). demo(): one demo's arrays. -> [(task, its .bddl instruction)]"""
+    benchmark, get_libero_path, _ = ev.import_libero()
+    from libero.libero.envs.bddl_utils import get_problem_info
+    bench, out = benchmark.get_benchmark_dict()[suite](), []
+    (root / suite).mkdir(parents=True, exist_ok=True)
+    for task in map(bench.get_task, range(bench.get_num_tasks()) if ids is None else ids):
+        bddl = os.path.join(get_libero_path("bddl_files"), task.problem_folder, task.bddl_file)
+        out.append((task, get_problem_info(bddl)["language_instruction"]))
+        write_libero(root / suite / f"{Path(task.bddl_file).stem}_demo.hdf5", [demo()], out[-1][1])
+    return out
+
+
+def test_every_libero_task_is_asked_for_the_instruction_it_was_trained_with(tmp_path):
+    """All tasks of all installed LIBERO suites: the instruction train.py stores for a task (from its demo file) is the
+    one eval.py asks the policy with, though LIBERO's task.language (from the file name) differs for some."""
+    rng = np.random.default_rng(0)
+    for suite in data.SUITES[1:]:
+        tasks = libero_demo_files(tmp_path, suite, lambda: make_demo(rng, 2, H=2, W=2))
+        known = train.scan(data.find_demo_files(tmp_path, suite))[0]  # the checkpoint's "instructions"
+        asked = ev.task_instructions(argparse.Namespace(instructions=known), ev.suite_tasks(suite), suite, "ckpt")
+        assert asked == {t: instruction for t, (_, instruction) in enumerate(tasks)}, suite
+
+
 def test_libero_rollout(tmp_path, monkeypatch, capsys):
-    """Real libero_10 episodes through eval.py: openpi protocol, checkpoint's frame size, obs = raw simulator output."""
+    """Real libero_spatial episodes through eval.py on a checkpoint trained on demos with the .bddl instructions: openpi
+    protocol, checkpoint's frame size, the demos' instruction, obs = raw simulator output."""
     ev.import_libero()  # without the simulator: a ConfigError that says how to install it
     import robosuite.utils.transform_utils as T
-    (task_id, name, instruction), = ev.suite_tasks("libero_10", [0])
-    rng = np.random.default_rng(0)  # a checkpoint trained one step on 64-pixel LIBERO-schema demos
+    rng = np.random.default_rng(0)  # a checkpoint trained one step on 64-pixel LIBERO-schema demos of task 0
     image = lambda: rng.integers(0, 255, (12, 64, 64, 3), np.uint8)  # noqa: E731
-    demos = [dict(actions=rng.uniform(-1, 1, (12, 7)), agentview_rgb=image(), eye_in_hand_rgb=image(),
-                  ee_states=rng.normal(size=(12, 6)), gripper_states=rng.normal(size=(12, 2))) for _ in range(2)]
-    data.write_demo_file(tmp_path / "libero_10" / f"{name}_demo.hdf5", instruction, demos)
-    ck = train.main(["--suite", "libero_10", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
+    demo = lambda: dict(actions=rng.uniform(-1, 1, (12, 7)), agentview_rgb=image(), eye_in_hand_rgb=image(),  # noqa
+                        ee_states=rng.normal(size=(12, 6)), gripper_states=rng.normal(size=(12, 2)))
+    (task, instruction), = libero_demo_files(tmp_path, "libero_spatial", demo, ids=[0])
+    assert instruction != task.language  # the case that crashed: the simulator's name is not the demos' instruction
+    ck = train.main(["--suite", "libero_spatial", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
                      "--vision", "vit_tiny_patch16_224", "--no-pretrained", "--out", str(tmp_path / "run"),
                      "--steps", "1"] + TINY[2:])
+    assert torch.load(ck, weights_only=True)["instructions"] == {task.name: instruction}
     out, made = tmp_path / "ev", []
     monkeypatch.setattr(ev, "LiberoEnv", lambda *a, **kw: made.append(TapEnv(*a, **kw)) or made[-1])
-    ev.main(["--suite", "libero_10", "--ckpt", ck, "--tasks", "0", "--trials", "2", "--max-steps", "7",
+    ev.main(["--suite", "libero_spatial", "--ckpt", ck, "--tasks", "0", "--trials", "2", "--max-steps", "7",
              "--replan", "2", "--out", str(out)])
     recs = ev.load_log(out / "episodes.jsonl")
     assert [(r["trial"], r["steps"], r["instruction"]) for r in recs] == [(0, 7, instruction), (1, 7, instruction)]
@@ -1707,8 +1812,11 @@ def test_libero_rollout(tmp_path, monkeypatch, capsys):
             np.testing.assert_allclose(state[6:8], raw["robot0_gripper_qpos"], atol=1e-6)
             eef.append(raw["robot0_eef_pos"])
     assert len(eef) == 2 * 8 and np.ptp(np.array(eef), axis=0).max() > 1e-3  # the policy's actions move the robot
-    for argv in (["--tasks", "10"], ["--trials", "51"]):  # libero_10 has tasks 0..9, 50 initial states per task
-        assert argv[0] in usage_error(ev.main, ["--suite", "libero_10", "--out", str(out)] + argv, capsys)
+    for argv in (["--tasks", "10"], ["--trials", "51"]):  # libero_spatial: tasks 0..9, 50 initial states per task
+        assert argv[0] in usage_error(ev.main, ["--suite", "libero_spatial", "--out", str(out)] + argv, capsys)
+    err = usage_error(ev.main, ["--suite", "libero_spatial", "--ckpt", ck, "--tasks", "0", "1", "--replan", "2"],
+                      capsys)
+    assert ev.suite_tasks("libero_spatial", [1])[0][1] in err  # a task it was not trained on, named
     monkeypatch.setitem(sys.modules, "libero.libero.envs", None)  # as if it were missing
     pytest.raises(hosts.ConfigError, ev.import_libero).match("pip install -r requirements-libero.txt")
 
@@ -1722,7 +1830,7 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
     with h5py.File(path) as f:
         assert f["data"].attrs["expert_attempts"] == 2  # both seeds solved, none skipped
     instruction, demos = data.read_demo_file(path)
-    assert instruction == data.mikasa_instruction("RememberColor3") and len(demos) == 2
+    assert len(demos) == 2
     for d in demos:
         assert len(d.actions) == 25 and d.frame_hw == (128, 128) and np.abs(d.actions).max() <= 1
         top, hand = d.images["agentview_rgb"], d.images["eye_in_hand_rgb"]  # [T, 128, 128, 3] each
@@ -1753,7 +1861,8 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ev, "MikasaSuiteEnv", Tap)
     ev.main(["--suite", "mikasa", "--ckpt", ck, "--tasks", "0", "--trials", "1", "--out", str(tmp_path / "ev")])
     rec, = ev.load_log(tmp_path / "ev" / "episodes.jsonl")
-    assert seeds == [4242424242] and rec["instruction"] == instruction and rec["replan"] == 1
+    assert seeds == [4242424242] and rec["instruction"] == instruction == made[0].env.instruction  # env's own
+    assert rec["replan"] == 1
     for obs, raw in made[0].pairs:
         images, state = data.policy_frame(obs)
         np.testing.assert_array_equal(images["agentview_rgb"], raw["rgb"][..., :3])  # upright, as the policy sees
@@ -1772,7 +1881,7 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
             return made[-1].env.expert_action()[None]  # [1, 7]
 
     slots = ev.EnvSlots(functools.partial(Tap, seed=7), 1)
-    rec, = ev.run_episodes(slots, Expert(), [(0, 3)])
+    rec, = ev.run_episodes(slots, Expert(), [(0, 3)], {0: instruction})
     slots.close()
     assert seeds[-1] == 4242424245 and rec["success"] and rec["steps"] < 25 and rec["outcome"] == "success"
 
@@ -1914,3 +2023,8 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (README.parent / ".ci" / "run").read_text()
     pip = re.search(r"pip install (.*)", setup).group(1)
     assert "python -m pytest -q" in setup and "\npython -m pytest -q\n" in ci and f"pip install -q {pip}" in ci
+
+
+if __name__ == "__main__":  # test_ddp_two_processes_gloo's torchrun processes: the step check, then train.py
+    ddp_first_step(sys.argv[2])
+    train.main(sys.argv[3:])

@@ -210,29 +210,36 @@ def lr_at(step, a):
 
 
 # ---- One training step -------------------------------------------------------------------------------------------
+def all_reduce_grads(params):
+    """Sum the gradients of `params` over the ranks in one all-reduce of a flat buffer (a parameter this rank left
+    without a gradient adds zeros); each .grad becomes a view into the sum."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])  # [P]
+    dist.all_reduce(flat)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)  # [numel] -> p's shape
+
+
 def train_step(host, opt, params, batch, state, clip, world=1):
     """One TBPTT step: zero the memory rows of streams that start an episode, flow-matching loss (eq. fm, mean over
-    valid frames), backward through the whole window, clip, AdamW. state [B, ...]: carried from the stream's previous
-    window (detached there). -> (loss [], this rank's valid frames [], new state detached)."""
+    the valid frames of all ranks), backward through the whole window, clip, AdamW. state [B, ...]: carried from the
+    stream's previous window (detached there). -> (loss [] over all ranks, this rank's valid frames [], new state
+    detached)."""
     state = host.reset_state(state.detach(), batch["reset"])
     # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda):
         loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
                                        batch["action_mask"], batch["frame_valid"])
-    n_all = n.float()  # a new tensor: n itself stays this rank's count
-    if world > 1:  # valid-frame losses are averaged over all ranks' frames
-        dist.all_reduce(n_all)
-    loss = loss_sum / n_all.clamp(min=1)
+    total = torch.stack([loss_sum.detach().float(), n.float()])  # [2] loss sum, valid frames; n stays this rank's
+    if world > 1:  # one call: every rank's loss and frames
+        dist.all_reduce(total)
+    loss = loss_sum / total[1].clamp(min=1)  # this rank's share of the mean over all ranks' valid frames
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    if world > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)  # sum of per-rank sums / total frames = mean over all valid frames
+    if world > 1:  # the sum of the shares' gradients = the gradient of the mean over all valid frames
+        all_reduce_grads(params)
     torch.nn.utils.clip_grad_norm_(params, clip)
     opt.step()
-    return loss.detach(), n, state.detach()
+    return total[0] / total[1].clamp(min=1), n, state.detach()
 
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult):
@@ -259,20 +266,20 @@ def set_rng_state(st, dev):
 
 # ---- Data -> host ------------------------------------------------------------------------------------------------
 def scan(files):
-    """Instruction vocabulary, action dimension and camera frame size (H, W) from the demo files before any frame is
-    encoded: every demo's shapes, dtypes, actions and states validated (data.check_values), no pixels read. eval.py
-    renders the simulator at this frame size (saved in the checkpoint)."""
-    vocab, demos, sizes = set(), [], {}  # sizes: (H, W) -> the first demo whose camera images have it
+    """Instructions {task name: instruction}, action dimension and camera frame size (H, W) from the demo files before
+    any frame is encoded: every demo's shapes, dtypes, actions and states validated (data.check_values), no pixels
+    read. The checkpoint keeps both: eval.py asks for a task's instruction by its name (data.task_name, LIBERO's
+    task.name) and renders the simulator at this frame size."""
+    instructions, demos, sizes = {}, [], {}  # sizes: (H, W) -> the first demo whose camera images have it
     for f in files:
-        instr, ds = data.iter_demo_file(f, images=False)
-        vocab.add(instr)
+        instructions[data.task_name(f)], ds = data.iter_demo_file(f, images=False)
         for d in ds:
             demos.append((f"{f}: data/{d.name}", d.state, d.actions))
             sizes.setdefault(d.frame_hw, demos[-1][0])
     if len(sizes) > 1:
         raise data.DataError(f"the demos' camera images differ in size: {sizes}")
     data.check_values(demos)  # also: one action width
-    return sorted(vocab), demos[0][2].shape[1], next(iter(sizes))
+    return instructions, demos[0][2].shape[1], next(iter(sizes))
 
 
 def feature_cache_key(host):
@@ -353,7 +360,8 @@ def run(argv=None):
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         wait()
         files = data.find_demo_files(a.data, a.suite, generate=False)
-    vocab, Da, frame_hw = scan(files)
+    instructions, Da, frame_hw = scan(files)
+    vocab = sorted(set(instructions.values()))  # one embedding per distinct instruction (tasks may share one)
     cfg = HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
                      weights_file=a.weights_file, image_size=a.image_size, action_dim=Da, chunk=a.chunk,
                      vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
@@ -363,6 +371,9 @@ def run(argv=None):
                      write_centre=a.write_centre, prefix_gate=a.prefix_gate)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
+        if ck["instructions"] != instructions:
+            raise ConfigError(f"--resume: {ckpt_path} was trained on the tasks {sorted(ck['instructions'])}, --data "
+                              f"{a.data} holds {sorted(instructions)}; pass the saved run's --data")
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
     if world > 1:  # then each rank its own draws of tau and noise
         torch.manual_seed(a.seed + rank)
@@ -403,9 +414,11 @@ def run(argv=None):
             dist.all_gather_object(gathered, mine)
         if rank == 0:
             save_checkpoint(ckpt_path, dict(
-                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg), stats=fd.stats,
-                vocab=vocab, optimizer=opt.state_dict(), step=step, sampler=[g["sampler"] for g in gathered],
-                mem_state=[g["mem"] for g in gathered], rng=[g["rng"] for g in gathered],
+                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
+                stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
+                vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
+                sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
+                rng=[g["rng"] for g in gathered],
                 tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
                 losses=losses, frame_size=list(frame_hw)))
 
@@ -419,7 +432,7 @@ def run(argv=None):
         loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
         frames += int(n)
-        lv = loss.item() * world  # this rank's share, rescaled for display
+        lv = loss.item()  # the mean over all ranks' valid frames
         if not math.isfinite(lv):
             raise FloatingPointError(f"loss is {lv} at step {step}; lower --lr or check the data")
         losses.append(lv)
