@@ -214,6 +214,8 @@ class DRAMLayer(nn.Module):
     x_q [B, T, M, D_Q], x_k [B, T, N, D_K], x_v [B, T, N, D_V]; q_mask [B, T, M], kv_mask [B, T, N] (p_i, True =
     real token); frame_valid [B, T]. The shared-source case passes one tensor three times (M = N)."""
 
+    tap = None  # a dict: each call stores its gates, readout and states there (eval.py --trace); None: nothing kept
+
     def __init__(self, cfg: DRAMConfig):
         super().__init__()
         self.cfg = cfg
@@ -277,12 +279,17 @@ class DRAMLayer(nn.Module):
             g_bar = (z_k.to(gdt) * m).sum(-2) / m.sum(-2).clamp(min=1.0)  # [*, D_K] mask-aware mean of the rows g_i
             gamma = torch.exp(-self.a_log.to(gdt).exp() * F.softplus(lin(self.retention, g_bar)))  # [*, H]
             beta = torch.sigmoid(lin(self.write_gate, z_k))  # [*, N, H]
+        if self.tap is not None:
+            self.tap.update(beta=beta, gamma=gamma)
         w = write_weights(beta, None if kv_mask is None else kv_mask[..., None], c.beta_cap)  # [*, N, H]
         return Q.transpose(-3, -2), K.transpose(-3, -2), V.transpose(-3, -2), w.transpose(-2, -1), gamma
 
     def fuse(self, x_q, R, q_mask=None):
         """eq. (fuse): Y = X^Q + f_O(sigmoid(f_G(X^Q)) * R). x_q [*, M, D_Q], R [*, M, H dv] -> Y [*, M, D_Q]."""
-        delta = self.f_O(torch.sigmoid(self.f_G(x_q)) * R.to(x_q.dtype))
+        gate = torch.sigmoid(self.f_G(x_q))  # [*, M, H dv]
+        if self.tap is not None:
+            self.tap["fuse_gate"] = gate
+        delta = self.f_O(gate * R.to(x_q.dtype))
         if q_mask is not None:  # padded query rows get no readout
             delta = delta * q_mask[..., None].to(delta.dtype)
         y = x_q + delta
@@ -303,6 +310,8 @@ class DRAMLayer(nn.Module):
         prev = torch.cat([state[:, :, None], states[:, :, :-1]], 2)  # [B, H, T, dk, dv]  S_0..S_{T-1}
         R = read(Q.transpose(1, 2), prev)  # [B, H, T, M, dv]  eq. (read), pre-update states
         R = R.permute(0, 2, 3, 1, 4).reshape(B, T, M, -1)  # [B, T, M, H dv]  heads concatenated
+        if self.tap is not None:
+            self.tap.update(w=w, R=R, states=states)
         if frame_valid is None:
             return self.fuse(x_q, R, q_mask), R, states[:, :, -1]
         R = R * frame_valid[:, :, None, None].to(R.dtype)  # [B, T, M, H dv]

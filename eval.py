@@ -142,6 +142,9 @@ class LiberoEnv:
         sim_obs, _, done, _ = self.env.step(np.asarray(action, dtype=np.float64))  # [7] OSC_POSE delta + gripper
         return libero_obs(sim_obs), done, done, {}  # LIBERO's done = success
 
+    def hidden(self):
+        return {}  # LIBERO's tasks show what they ask for: nothing to remember that the simulator names
+
     def close(self):
         self.env.close()
 
@@ -156,12 +159,25 @@ class MemorySuiteEnv:
         self.max_steps = self.env.max_steps
 
     def reset(self, trial):
+        self.set_at = 0  # the frame at which the last press (pad tasks) was first visible
         return self.env.reset(seed=[self.seed, self.task_id, trial])
 
     def step(self, action):
+        count = self.env.count
         obs, success, done = self.env.step(np.asarray(action, np.float64))
+        if self.env.count != count:
+            self.set_at = self.env.t
         touches = self.env.count if self.env.family == "pad" else None
         return obs, success, done, dict(outcome=self.env.outcome, touches=touches)
+
+    def hidden(self):
+        """What the policy must remember at the current frame, for --trace only (never an observation). Cue tasks:
+        the cue; pad tasks: the presses so far and the leg (out: for the target, back: for the pad). since: frames
+        since it was last set (the cue's last frame, the last press or the episode's start)."""
+        e = self.env
+        if e.family == "cue":
+            return dict(cue=e.cue, since=e.t - (data.CUE_STEPS - 1))
+        return dict(presses=e.count, leg="out" if e.armed else "back", since=e.t - self.set_at)
 
     def close(self):
         pass
@@ -187,8 +203,11 @@ class MikasaSuiteEnv:
         outcome = "success" if success else "near_target" if near else "elsewhere"
         return obs, success, done, dict(outcome=outcome, memory_type=self.env.memory_type)
 
-    def close(self):
-        self.env.close()
+    def hidden(self):
+        """--trace only: the target that the privileged oracle_info names (a candidate's index, or shape and colour);
+        since: frames since the episode started (the cue shows first)."""
+        target = np.asarray(self.env.info["oracle_info"].cpu()).reshape(-1)  # [num_envs = 1] or [1, 2] -> flat
+        return dict(target=" ".join(f"{x:g}" for x in target), since=self.env.t)
 
 
 # ---- Environment slots: n environments stepped together, in this process or one spawn worker each --------------------
@@ -207,6 +226,9 @@ class Slot:
 
     def step(self, action):
         return self.env.step(action)
+
+    def hidden(self, _=None):
+        return self.env.hidden()
 
     def close(self):
         if self.env is not None:
@@ -241,7 +263,8 @@ class EnvSlots:
 
     def call(self, cmd, args):
         """cmd "reset", args {slot: (task_id, trial)} -> {slot: (obs, max_steps)};
-        cmd "step", args {slot: action [Da]} -> {slot: (obs, success, done, info)}."""
+        cmd "step", args {slot: action [Da]} -> {slot: (obs, success, done, info)};
+        cmd "hidden", args {slot: None} -> {slot: the env's hidden variable (--trace)}."""
         if not self.processes:
             return {i: getattr(self.slots[i], cmd)(a) for i, a in args.items()}
         for i, a in args.items():
@@ -266,10 +289,11 @@ class EnvSlots:
 
 
 # ---- The rollout loop ------------------------------------------------------------------------------------------------
-def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0):
+def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0, tracer=None):
     """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step with the instructions
-    {task_id: instruction} (task_instructions); yields each episode's record as it ends. Row i of the policy batch
-    is slot i: an idle slot re-feeds its last observation (actions discarded).
+    {task_id: instruction} (task_instructions); yields each episode's record as it ends (with tracer, a Tracer of
+    `policy`: its trace under the key "trace"). Row i of the policy batch is slot i: an idle slot re-feeds its last
+    observation (actions discarded).
     Episode (task_id, trial) draws its policy noise from its own generator [seed, task_id, trial, 1] (the embedded
     suite's layout: [seed, task_id, trial]), whatever runs before it, beside it or in another process."""
     queue = list(episodes)
@@ -293,6 +317,8 @@ def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0):
             new = (frame == 0) & active  # [n]
             policy.reset(rows, new, {i: np.random.default_rng([seed, *ep[i], 1]) for i in np.flatnonzero(new)})
         actions = np.asarray(policy.act(obs, list(instr)))  # [n, Da]
+        if tracer is not None:  # after act, before step: the hidden variable of the frame the policy just saw
+            tracer.frame(slots.call("hidden", {i: None for i in np.flatnonzero(active)}))
         bad = np.flatnonzero(~np.isfinite(actions[active]).all(1))
         if len(bad):  # the simulators would clip or propagate NaN without a word
             i = np.flatnonzero(active)[bad[0]]
@@ -303,7 +329,8 @@ def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0):
             frame[i] += 1  # = policy steps taken in this episode
             if done or frame[i] >= max_steps[i]:
                 yield dict(task_id=int(ep[i][0]), trial=int(ep[i][1]), instruction=instr[i], success=bool(success),
-                           steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2), **info)
+                           steps=int(frame[i]), wall_s=round(time.time() - t_start[i], 2), **info,
+                           **({} if tracer is None else dict(trace=tracer.end(i))))
                 ep[i] = None
                 finished.append(i)
         start(finished)
@@ -379,6 +406,171 @@ class CheckpointPolicy:
         out = self.chunk[np.arange(len(frames)), self.age]  # [n, Da]
         self.age += 1
         return data.unnormalize(out, self.stats, "action")
+
+
+# ---- --trace: what the memory does each frame, and what its state holds (a linear probe) ---------------------------
+TRACED = ("beta", "w", "gamma", "S_norm", "R_norm", "fuse_gate")  # per layer and head, each frame
+PROBED = ("cue", "presses", "target")  # the hidden variable the probe predicts, the first of these an env names
+
+
+class Tracer:
+    """Reads the memory layers' taps (dram.DRAMLayer.tap) after each policy.act: per row, layer and head, the write
+    strength (beta and w = beta / (1 - beta), means over the frame's write tokens), the retention gamma, ||S_t||
+    (Frobenius, after the write), ||R_t|| (mean over query tokens of a token's readout norm) and the fuse gate (mean
+    over query tokens and the head's dv gates); S_t itself for the probe. The policy must act eagerly."""
+
+    def __init__(self, policy):
+        memory = policy.host.memory
+        self.policy, self.layers, self.rows = policy, list(getattr(memory, "layers", memory)), {}
+        for layer in self.layers:
+            layer.tap = {}
+
+    @staticmethod
+    def head_means(tap):
+        """One layer's tap of a control step (T = 1) -> {name: [n, H]}."""
+        H = tap["gamma"].shape[-1]
+        R = tap["R"][:, 0].unflatten(-1, (H, -1))  # [n, M, H, dv]
+        return dict(beta=tap["beta"][:, 0].mean(-2), w=tap["w"][:, 0].mean(-1), gamma=tap["gamma"][:, 0],
+                    S_norm=tap["states"][:, :, -1].flatten(-2).norm(dim=-1), R_norm=R.norm(dim=-1).mean(1),
+                    fuse_gate=tap["fuse_gate"][:, 0].unflatten(-1, (H, -1)).mean((1, 3)))  # [n, M, H, dv] -> [n, H]
+
+    def frame(self, hidden):
+        """hidden {row: the env's hidden variable} of the rows running an episode."""
+        stats = [{k: v.float().cpu().numpy() for k, v in self.head_means(layer.tap).items()} for layer in self.layers]
+        S = self.policy.state.flatten(1).cpu().numpy().astype(np.float16)  # [n, L H dk dv] S_t of every layer
+        for i, h in hidden.items():
+            self.rows.setdefault(i, []).append((h, [{k: s[k][i] for k in TRACED} for s in stats], S[i]))
+
+    def end(self, i):
+        """Row i's episode -> {"hidden": {key: [T]}, "layers": [{name: [T, H]}], "states": float16 [T, F]}."""
+        frames = self.rows.pop(i)
+        hidden = {k: [h[k] for h, _, _ in frames] for k in frames[0][0]}
+        layers = [{k: np.stack([f[1][l][k] for f in frames]) for k in TRACED} for l in range(len(self.layers))]
+        return dict(hidden=hidden, layers=layers, states=np.stack([f[2] for f in frames]))
+
+
+def ridge_predict(X, y, Xt, lam):
+    """Closed-form ridge regression on one-hot labels, dual form (frames < state entries): X [n, F] standardised,
+    y [n] class ids, Xt [m, F] -> predicted class ids [m]. lam is per feature: the penalty is lam F ||W||^2."""
+    Y = torch.nn.functional.one_hot(y).double()  # [n, K]
+    Y = Y - Y.mean(0)
+    K = (X @ X.T).double()  # [n, n]
+    A = torch.linalg.solve(K + lam * X.shape[1] * torch.eye(len(X), dtype=K.dtype), Y)  # [n, K]
+    return (Xt.double() @ (X.T.double() @ A)).argmax(1)  # [m]
+
+
+def probe(train, test, seed=0, lams=(1e-3, 1e-2, 1e-1, 1.0)):
+    """Linear probe of the hidden variable from S_t. train / test: [(states [T, F], labels [T] ids, since [T])] per
+    episode. lam by 2-fold cross-validation over the training episodes. -> {since: (test frames, correct, correct of
+    the probe fit on shuffled labels, frames of the most frequent label)}. The shuffled control permutes the labels
+    among the training frames with the same `since`: what a state that holds nothing about them would reach."""
+    cat = lambda eps, j: torch.as_tensor(np.concatenate([e[j] for e in eps]))  # noqa: E731
+    X, y, since = cat(train, 0).float(), cat(train, 1), cat(train, 2)  # [n, F], [n], [n]
+    mu, sd = X.mean(0), X.std(0) + 1e-6  # the training half's statistics only
+    X, Xt = (X - mu) / sd, (cat(test, 0).float() - mu) / sd
+    ep = torch.cat([torch.full((len(e[1]),), k % 2) for k, e in enumerate(train)])  # [n] fold of each frame
+    def fit(labels):
+        errors = [sum((ridge_predict(X[ep != f], labels[ep != f], X[ep == f], lam) != labels[ep == f]).sum()
+                      for f in (0, 1)) for lam in lams] if len(train) > 1 else [0]
+        return ridge_predict(X, labels, Xt, lams[int(np.argmin(errors))])
+    g = torch.Generator().manual_seed(seed)
+    shuffled = y.clone()
+    for s in since.unique():
+        at = torch.nonzero(since == s)[:, 0]
+        shuffled[at] = y[at[torch.randperm(len(at), generator=g)]]
+    yt, st = cat(test, 1), cat(test, 2)  # [m], [m]
+    hit, hit_shuffled = fit(y) == yt, fit(shuffled) == yt
+    return {int(s): (int((st == s).sum()), int(hit[st == s].sum()), int(hit_shuffled[st == s].sum()),
+                     int(yt[st == s].bincount().max())) for s in st.unique()}
+
+
+def probe_traces(traces, trials):
+    """traces: {(task name, trial): Tracer.end(...)} -> {task: probe(...)}, trials < trials // 2 (at least one)
+    train, the others test; tasks whose env names no hidden variable are left out."""
+    out = {}
+    for task in dict.fromkeys(t for t, _ in traces):
+        eps = {k: tr for (t, k), tr in sorted(traces.items()) if t == task}
+        key = next((k for k in PROBED if k in next(iter(eps.values()))["hidden"]), None)
+        if key is None or len(eps) < 2:
+            continue
+        classes = sorted({v for tr in eps.values() for v in tr["hidden"][key]})
+        split = max(1, min(trials, len(eps)) // 2)
+        rows = {k: (tr["states"], np.array([classes.index(v) for v in tr["hidden"][key]]),
+                    np.array(tr["hidden"]["since"])) for k, tr in eps.items()}
+        out[task] = dict(variable=key, classes=len(classes), bins=probe([r for k, r in rows.items() if k < split],
+                                                                        [r for k, r in rows.items() if k >= split]))
+    return out
+
+
+def probe_table(probes, bin_width=5):
+    """-> markdown: per task, accuracy by frames since the variable was set (bins of bin_width), the shuffled-label
+    control and chance (the most frequent label's share of those test frames); and over the frames after it."""
+    pct = lambda a, b: f"{100 * a / max(b, 1):.1f}"  # noqa: E731
+    lines = ["| task | variable | frames since set | test frames | probe % | shuffled-label probe % | chance % |",
+             "|---" * 7 + "|"]
+    for task, p in probes.items():
+        bins = {}
+        for s, counts in sorted(p["bins"].items()):
+            b = bins.setdefault(s // bin_width if s >= 0 else -1, np.zeros(4, np.int64))
+            b += counts
+        for b, (n, ok, ok_shuffled, chance) in bins.items():
+            span = "< 0" if b < 0 else f"{b * bin_width}-{b * bin_width + bin_width - 1}"
+            lines.append(f"| {task} | {p['variable']} | {span} | {n} | {pct(ok, n)} | {pct(ok_shuffled, n)} | "
+                         f"{pct(chance, n)} |")
+        n, ok, ok_shuffled, chance = np.sum([c for s, c in p["bins"].items() if s > 0], 0)
+        lines.append(f"| {task} | {p['variable']} | **all > 0** | {n} | **{pct(ok, n)}** | {pct(ok_shuffled, n)} | "
+                     f"**{pct(chance, n)}** |")
+    return "\n".join(lines)
+
+
+def plot_trace(path, probes, traces, title, reset_every=0):
+    """probe accuracy against frames since the variable was set; the gates of one test episode over its frames.
+    Needs matplotlib (optional: without it, nothing is drawn)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no picture (pip install -r requirements-extras.txt)")
+        return False
+    fig = plt.figure(figsize=(12, 8), layout="constrained")
+    grid = fig.add_gridspec(2, 4)
+    ax = fig.add_subplot(grid[0, :])
+    for task, p in probes.items():
+        s = sorted(p["bins"])
+        n, ok, ok_shuffled, chance = np.array([p["bins"][k] for k in s]).T  # [bins] each
+        line, = ax.plot(s, 100 * ok / n, marker=".", label=f"{task}: probe of {p['variable']}")
+        ax.plot(s, 100 * ok_shuffled / n, ls=":", color=line.get_color(), label=f"{task}: shuffled-label probe")
+        ax.plot(s, 100 * chance / n, ls="--", color=line.get_color(), alpha=0.6, label=f"{task}: chance")
+    ax.set(xlabel="frames since the variable was set (cue: its last frame; count: the last press)",
+           ylabel="test accuracy %", ylim=(0, 105), title=f"linear probe of the hidden variable from S_t: {title}")
+    ax.legend(fontsize=7, ncol=3, loc="lower left")
+    task = next(iter(probes), None) or next(iter(traces))[0]
+    key = max(k for k in traces if k[0] == task)  # the task's last trial: a test episode
+    layers = traces[key]["layers"]
+    names = dict(beta="write strength beta (token mean)", gamma="retention gamma", fuse_gate="fuse gate (mean)",
+                 S_norm="||S_t||")
+    for j, (name, label) in enumerate(names.items()):
+        a = fig.add_subplot(grid[1, j])
+        for l, layer in enumerate(layers):
+            for h in range(layer[name].shape[1]):
+                a.plot(layer[name][:, h], lw=1, ls="-" if l == 0 else "--", label=f"layer {l} head {h}")
+        for t in range(reset_every, len(layer[name]), reset_every) if reset_every else ():
+            a.axvline(t, color="grey", lw=0.5)
+        a.set(xlabel=f"frame of {task} trial {key[1]}", ylabel=label)
+    a.legend(fontsize=6)
+    if reset_every:
+        fig.text(0.99, 0.01, f"grey lines: memory reset every {reset_every} frames", ha="right", fontsize=8)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_trace_report(out, probes, traces, title, reset_every):
+    Path(out, "probe.md").write_text(probe_table(probes) + "\n")
+    Path(out, "probe.json").write_text(json.dumps(probes, indent=1))
+    drawn = plot_trace(Path(out, "probe.png"), probes, traces, title, reset_every)
+    print(f"wrote {out}/trace.jsonl, probe.md, probe.json" + (", probe.png" if drawn else ""))
 
 
 # ---- Speed: the control step as CUDA graphs (GPU only; a test shows it acts as the eager policy) ---------------------
@@ -503,12 +695,17 @@ def write_results(out, suite, summaries, settings):
     print(f"wrote {out}/results.md, summary.json")
 
 
-def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_every=0):
+def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_every=0, trace=False):
     """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, logging each as it ends; -> their
     summary. settings (stored in every record) must match the log's: a table never mixes experiments. instructions:
-    {task_id: instruction} (task_instructions)."""
-    os.makedirs(out, exist_ok=True)
+    {task_id: instruction} (task_instructions). trace: also out/trace.jsonl (per episode and frame: the memory's gates
+    and norms, the env's hidden variable), the probe of that variable from S_t (probe.md, probe.json) and probe.png;
+    every episode runs anew."""
     log_path = os.path.join(out, "episodes.jsonl")
+    if trace and os.path.exists(log_path):
+        raise hosts.ConfigError(f"--trace: {log_path} holds episodes whose memory states were not kept; pass a fresh "
+                                f"--out (or delete it)")
+    os.makedirs(out, exist_ok=True)
     logged = load_log(log_path) if os.path.exists(log_path) else []
     for r in logged:
         for k, v in settings.items():
@@ -517,35 +714,50 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
                                         f"pass another --out (or delete the log) instead of mixing runs")
     have = {(r["task_id"], r["trial"]) for r in logged}
     todo = [(t, k) for t, _ in tasks for k in range(trials) if (t, k) not in have]
-    names = dict(tasks)
-    with open(log_path, "a") as log:
-        episodes = run_episodes(slots, policy, todo, instructions, reset_every, settings["seed"])
+    names, traces = dict(tasks), {}
+    tracer = Tracer(policy) if trace else None
+    trace_log = open(os.path.join(out, "trace.jsonl"), "w") if trace else contextlib.nullcontext()
+    with open(log_path, "a") as log, trace_log as tlog:
+        episodes = run_episodes(slots, policy, todo, instructions, reset_every, settings["seed"], tracer)
         for rec in tqdm(episodes, total=len(todo), desc=out, unit="episode"):
             rec = dict(settings, task=names[rec["task_id"]], **rec)
+            if trace:
+                tr = traces[rec["task"], rec["trial"]] = rec.pop("trace")
+                layers = [{k: np.round(v, 5).tolist() for k, v in layer.items()} for layer in tr["layers"]]
+                tlog.write(json.dumps(dict(task=rec["task"], trial=rec["trial"], success=rec["success"],
+                                           hidden=tr["hidden"], layers=layers), default=int) + "\n")
             log.write(json.dumps(rec) + "\n")
             log.flush()  # at once: a crash loses at most the running episodes
             logged.append(rec)
+    if trace:  # in the order of `tasks`
+        traces = {k: traces[k] for k in sorted(traces, key=lambda k: ([n for _, n, _ in tasks].index(k[0]), k[1]))}
+        kept = f"memory reset every {reset_every} frames" if reset_every else "memory kept for the whole episode"
+        write_trace_report(out, probe_traces(traces, trials), traces, f"{os.path.relpath(settings['policy'])}, {kept}",
+                           reset_every)
     # the episodes asked for: the log may hold more trials of an earlier, longer run
     return summarize([r for r in logged if r["trial"] < trials], tasks)
 
 
 def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
-                         num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None):
+                         num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None, trace=False):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
-    then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every>. The parameters are eval.py's flags."""
+    then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every> (trace_... with trace). The parameters
+    are eval.py's flags; tracing runs the control step eagerly (a graph replay fills no tap)."""
     common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps)
-    policies = {str(ck): CheckpointPolicy(ck, device, common["replan"], cuda_graphs) for ck in ckpt or []}
+    policies = {str(ck): CheckpointPolicy(ck, device, common["replan"], cuda_graphs and not trace) for ck in ckpt or []}
     for ck, policy in policies.items():  # every file is checked before the first episode
         if policy.suite != suite:
             raise hosts.ConfigError(f"{ck} was trained on {policy.suite}; evaluate it with --suite {policy.suite}")
+        if trace and policy.host.memory is None:
+            raise hosts.ConfigError(f"--trace: {ck} has no memory to trace (trained with --memory none)")
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
     running = policies or {"zero": ZeroPolicy()}
     instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
     for i, (name, policy) in enumerate(running.items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
-        where = (os.path.join(ck_dir, f"eval_{suite}_L{reset_every}") if out is None else out if len(policies) < 2
-                 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
+        where = (os.path.join(ck_dir, f"{'trace' if trace else 'eval'}_{suite}_L{reset_every}") if out is None
+                 else out if len(policies) < 2 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
             env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
@@ -557,7 +769,7 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
         slots = EnvSlots(functools.partial(env, seed=seed, image_size=policy.frame_size[0]), n, processes)
         try:
             summaries[name] = evaluate(task_list, trials, policy, slots, where, settings, instructions[name],
-                                       reset_every)
+                                       reset_every, trace)
         finally:
             slots.close()
         write_results(where, suite, {name: summaries[name]}, dict(settings, trials=trials))
@@ -590,7 +802,10 @@ def parser():
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
                    "step eagerly instead of replaying CUDA graphs (default: graphs on)")
     p.add_argument("--out", help="output folder for episodes.jsonl (a re-run resumes it), results.md, summary.json "
-                   "(default: <ckpt dir>/eval_<suite>_L<reset-every>)")
+                   "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_<suite>_L<reset-every>)")
+    p.add_argument("--trace", action="store_true", help="also write, per episode and frame, each memory layer's and "
+                   "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of that "
+                   "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without")
     return p
 
 
@@ -607,6 +822,8 @@ def get_args(argv=None):
         p.error(f"--device {args.device}: {e}")
     if args.suite == data.MEMORY_SUITE and not args.ckpt:
         p.error("--suite memory needs --ckpt (train one with `python train.py`)")
+    if args.trace and not args.ckpt:
+        p.error("--trace needs --ckpt: a checkpoint with memory (train one with `python train.py`)")
     if args.suite not in LIBERO_MAX_STEPS and args.max_steps:
         p.error(f"--max-steps: a LIBERO setting; {args.suite}'s tasks have their own step limits")
     args.replan = args.replan or REPLAN[args.suite]

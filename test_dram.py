@@ -1651,6 +1651,91 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     assert list(s2) == [ck, trained[1]] and len(list((tmp_path / "both").glob("*/episodes.jsonl"))) == 2
 
 
+def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_path, monkeypatch):
+    """--trace: the same episodes, action for action, as without; trace.jsonl holds every frame, the cue that the env
+    drew and the presses as they happen; probe.md without matplotlib, probe.png with it."""
+    ck, acts = trained[1], []
+    act = ev.CheckpointPolicy.act
+    monkeypatch.setattr(ev.CheckpointPolicy, "act", lambda self, *a: acts.append(act(self, *a)) or acts[-1])
+    runs = {}
+    for name, trace in (("plain", False), ("traced", True), ("drawn", True)):
+        with mock.patch.dict(sys.modules, {"matplotlib": None} if name == "traced" else {}):
+            ev.evaluate_checkpoints([ck], trials=2, tasks=[0, 2], out=str(tmp_path / name), trace=trace)
+        runs[name], acts = (np.stack(acts), ev.load_log(tmp_path / name / "episodes.jsonl")), []
+    (a0, recs0), (a1, recs1) = runs["plain"], runs["traced"]
+    assert np.array_equal(a0, a1) and len(a0) > 40  # round_trip_red's episodes run past cue_colour's 40 frames
+    assert [dict(r, wall_s=0) for r in recs0] == [dict(r, wall_s=0) for r in recs1]
+    assert not (tmp_path / "traced" / "probe.png").exists() and (tmp_path / "drawn" / "probe.png").stat().st_size
+    assert (tmp_path / "traced" / "probe.md").read_text() == (tmp_path / "drawn" / "probe.md").read_text()
+    traces = [json.loads(line) for line in (tmp_path / "traced" / "trace.jsonl").read_text().splitlines()]
+    steps = {(r["task"], r["trial"]): r for r in recs1}
+    assert sorted((t["task"], t["trial"]) for t in traces) == sorted(steps)
+    for t in traces:
+        r, env = steps[t["task"], t["trial"]], data.MemoryEnv(t["task"])
+        env.reset(seed=[7, r["task_id"], t["trial"]])  # the layout and cue of eval.py's trial (seed 7)
+        n = r["steps"]
+        assert all(np.shape(layer[k]) == (n, 2) for layer in t["layers"] for k in ev.TRACED)  # [T, H]
+        if t["task"] == "cue_colour":
+            assert t["hidden"]["cue"] == [env.cue] * n and t["hidden"]["since"] == list(range(-1, n - 1))
+        else:  # presses before each frame's step: never down, the episode's end adds at most the last one
+            p = t["hidden"]["presses"]
+            assert p[0] == 0 and np.all(np.diff(p) >= 0) and r["touches"] - p[-1] in (0, 1)
+
+
+def test_traced_gates_equal_an_independent_recomputation(trained):
+    """Tracer's beta, w, gamma, fuse gate, ||S_t||, ||R_t|| per layer and head equal those recomputed from each
+    layer's input (caught by a forward pre-hook) with DRAMLayer.project, the paper's gate formulas and read."""
+    policy = ev.CheckpointPolicy(trained[1])
+    env, layers = ev.MemorySuiteEnv(5, seed=3, image_size=policy.frame_size[0]), policy.host.memory.layers
+    inputs = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0][:, 0].clone()))  # x_q [1, N, D]
+    tracer, obs, states = ev.Tracer(policy), env.reset(0), []
+    policy.reset(np.array([True]))
+    for t in range(6):
+        policy.act([obs], [env.instruction])
+        tracer.frame({0: env.hidden()})
+        states.append(policy.state[0].clone())  # [L, H, dk, dv]
+        obs = env.step(np.array([0.5, -0.3, -1.0]))[0]
+    tr, H = tracer.end(0), layers[0].cfg.n_heads
+    for t in range(6):
+        for l, layer in enumerate(layers):
+            x = inputs[t * len(layers) + l]  # [1, N, D] shared source: X^Q = X^K = X^V
+            with torch.no_grad():
+                Q, _, _, w, gamma = layer.project(x, x, x)  # [1, H, N, dk], ..., w [1, H, N], gamma [1, H]
+                beta = torch.sigmoid(layer.write_gate(layer.ln_k(x)))  # [1, N, H] eq. (write-gate)
+                gate = torch.sigmoid(layer.f_G(x)).view(*x.shape[:2], H, -1)  # [1, N, H, dv] eq. (fuse)
+                prev = states[t - 1][l] if t else torch.zeros_like(states[0][l])  # [H, dk, dv] S_{t-1}
+                R = read(Q[0], prev)  # [H, N, dv] eq. (read)
+            want = dict(beta=beta[0].mean(0), w=w[0].mean(-1), gamma=gamma[0], fuse_gate=gate[0].mean((0, 2)),
+                        S_norm=states[t][l].flatten(1).norm(dim=1), R_norm=R.norm(dim=-1).mean(-1))  # each [H]
+            for k, v in want.items():
+                assert np.allclose(tr["layers"][l][k][t], v.numpy(), rtol=1e-4, atol=1e-6), (t, l, k)
+    spread = [np.ptp(tr["layers"][0][k]) for k in ("beta", "gamma", "fuse_gate", "S_norm", "R_norm")]
+    assert min(spread) > 1e-4, spread  # the heads and frames differ: a mix-up of heads, layers or frames shows
+
+
+def test_probe_decodes_what_the_states_hold_and_nothing_else():
+    """The ridge probe decodes a label the states carry, from held-out episodes; with labels the states do not carry
+    (the shuffled-label control, or noise states) its accuracy is chance: the most frequent test label's share."""
+    g = np.random.default_rng(0)
+    centres = g.standard_normal((3, 64))  # [K, F] what a state holds of each label
+
+    def episodes(n, signal):
+        eps = []
+        for _ in range(n):
+            y = np.full(6, g.integers(3))  # [T] one label per episode (a cue)
+            X = signal * centres[y] + 2.0 * g.standard_normal((6, 64))  # [T, F]
+            eps.append((X.astype(np.float16), y, np.arange(6)))
+        return eps
+
+    for signal, decodes in ((1.0, True), (0.0, False)):
+        bins = ev.probe(episodes(120, signal), episodes(120, signal), seed=1)
+        n, ok, ok_shuffled, chance = np.sum(list(bins.values()), 0)
+        assert abs(ok_shuffled - chance) / n < 0.12, (ok_shuffled, chance, n)  # 120 test episodes: sd 0.04
+        assert (ok / n > 0.95) if decodes else abs(ok - chance) / n < 0.12, (signal, ok, chance, n)
+
+
 def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsys):
     """--replan defaults to the suite's protocol; a user's mistake: one line, exit 2."""
     # openpi: half of LIBERO's 10-action chunk, then replan; the embedded suite: every frame. A given --replan wins.
@@ -1673,7 +1758,9 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
               (["--ckpt", ck, "--tasks", "6"], "--tasks"), (["--ckpt", ck, "--tasks", "0", "0"], "--tasks"),
               (["--suite", "libero_100"], "--suite"), (["--ckpt", ck, "--max-steps", "3"], "--max-steps"),
               (["--suite", "libero_10", "--replan", "0"], "--replan"), (["--reset-every", "-1"], "--reset-every"),
-              (["--ckpt", ck, "--device", "foo"], "--device foo"), (["--ckpt", str(tmp_path / "fewer.pt")], "count_2")]
+              (["--ckpt", ck, "--device", "foo"], "--device foo"), (["--ckpt", str(tmp_path / "fewer.pt")], "count_2"),
+              (["--suite", "libero_10", "--trace"], "--trace"),
+              (["--ckpt", ck, "--trace", "--out", str(tmp_path)], "--trace")]  # a log traced without its states
     for argv, named in cases:
         err = usage_error(ev.main, argv + ([] if "--out" in argv else ["--out", str(tmp_path / "ev")]), capsys)
         assert named in err.strip().splitlines()[-1] and "Traceback" not in err, (argv, err)
