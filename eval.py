@@ -730,7 +730,7 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
             log.flush()  # at once: a crash loses at most the running episodes
             logged.append(rec)
     if trace:  # in the order of `tasks`
-        traces = {k: traces[k] for k in sorted(traces, key=lambda k: ([n for _, n, _ in tasks].index(k[0]), k[1]))}
+        traces = {k: traces[k] for k in sorted(traces, key=lambda k: ([n for _, n in tasks].index(k[0]), k[1]))}
         kept = f"memory reset every {reset_every} frames" if reset_every else "memory kept for the whole episode"
         write_trace_report(out, probe_traces(traces, trials), traces, f"{os.path.relpath(settings['policy'])}, {kept}",
                            reset_every)

@@ -1693,7 +1693,7 @@ def test_traced_gates_equal_an_independent_recomputation(trained):
     tracer, obs, states = ev.Tracer(policy), env.reset(0), []
     policy.reset(np.array([True]))
     for t in range(6):
-        policy.act([obs], [env.instruction])
+        policy.act([obs], [data.MEMORY_TASKS["count_3"][1]])
         tracer.frame({0: env.hidden()})
         states.append(policy.state[0].clone())  # [L, H, dk, dv]
         obs = env.step(np.array([0.5, -0.3, -1.0]))[0]
