@@ -567,6 +567,8 @@ def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
         torch.manual_seed(0)  # same tau / noise every step: the loss on this fixed draw must go down
         loss, n, _ = host.loss(feats, instr, host.init_state(2), **b)
         (loss / n).backward()
+        # every trained parameter takes part (DDP refuses unused ones), native KV's too
+        assert [n for n, p in host.named_parameters() if p.requires_grad and p.grad is None] == []
         opt.step()
         opt.zero_grad()
         losses.append(loss.item() / n)
