@@ -7,14 +7,14 @@ wiring differs.
 
   cams --frozen ViT--> patch tokens (+cam emb, +instr)          [instr | cams' patches] --frozen ViT blocks 1..L-->
         |                                                              | layer l: native k_l, v_l, hidden h_l
-        X_t = X^Q = X^K = X^V   (M = N)                         learned query slots --> DRAM layer 1 .. L (write
-        |                                                              sources from backbone layer l; only the
-   DRAMStack: read S_{t-1} -> fuse -> write, x depth                   query stream evolves) --> fused slots y_l
-        |                                                              |  project to prefix k, v (position -1,
-        Y_t (same tokens, same order)                                  |  not rotated, zero-gated)
+        X_t = X^Q = X^K = X^V   (M = N)                         learned query slots --> DRAM layers (default: 2,
+        |                                                              all writing h_L; native_kv / hidden: layer l
+   DRAMStack: read S_{t-1} -> fuse -> write, x depth                   writes k_l, v_l / h_l); only the slots evolve
+        |                                                              |  fused slots -> prefix k, v (position -1,
+        Y_t (same tokens, same order)                                  |  not rotated)
         |                                                              v
-   DiT action head: cross-attn to Y_t  <-> self-attn over         action expert layer l attends to
-   [state, noisy actions], adaLN(time, instr)                     [backbone k_l, v_l | own tokens] + memory prefix
+   DiT action head: cross-attn to Y_t  <-> self-attn over         action expert layer l: one softmax over [memory
+   [state, noisy actions], adaLN(time, instr)                     prefix | backbone k_l, v_l | own tokens]
 
 train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
 
@@ -50,6 +50,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class HostConfig:
+    """A host's architecture. The defaults are train.py's on the embedded suite, the single source of both:
+    make_host(name, HostConfig(vocab=..., action_dim=...)) builds README's host `name`, except that train.py gives the
+    dit host one memory layer there (train.DIT_MEMORY_DEPTH)."""
     host: str = "dit"  # dit | vla
     memory: str = "dram"  # dram | none (the matched memoryless baseline)
     vision: str = "vit_tiny_patch16_224"  # timm model name of the frozen tower
@@ -59,7 +62,7 @@ class HostConfig:
     cameras: tuple = ("agentview_rgb", "eye_in_hand_rgb")
     state_dim: int = 8
     action_dim: int = 7
-    chunk: int = 8  # C, action chunk length
+    chunk: int = 4  # C, action chunk length
     vocab: tuple = ()  # instruction strings seen in training (saved with the checkpoint)
     flow_steps: int = 10  # Euler steps at sampling
     mem_depth: int = 2  # DRAMStack depth (dit) / memory layers for last_hidden (vla)
@@ -70,7 +73,7 @@ class HostConfig:
     d_model: int = 128  # DiT action head width
     head_blocks: int = 4  # alternating cross-attention (even) / self-attention (odd) blocks
     head_heads: int = 4
-    write_source: str = "hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
+    write_source: str = "last_hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
     query_slots: int = 8  # M learned query slots
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks

@@ -1115,15 +1115,15 @@ def test_memory_suite_files(tmp_path, monkeypatch):
 
 # ==== train.py / eval.py: truncated-BPTT training, checkpoints, exact resume, DDP, closed-loop rollouts ========
 
-TINY = ["--episodes", "3", "--image-size", "32", "--d-model", "32", "--head-blocks", "2", "--mem-heads", "2",
-        "--mem-dim", "16", "--batch", "4", "--window", "4", "--chunk", "4", "--eval-episodes", "0",
-        "--warmup", "2", "--flow-steps", "2", "--lr", "3e-3"]
+DIT_TINY = ["--d-model", "32", "--head-blocks", "2"]  # options of the dit host's action head
+TINY = ["--episodes", "3", "--image-size", "32", "--mem-heads", "2", "--mem-dim", "16", "--batch", "4", "--window",
+        "4", "--chunk", "4", "--eval-episodes", "0", "--warmup", "2", "--flow-steps", "2", "--lr", "3e-3"] + DIT_TINY
 
 
 def tiny_train(root, out, *extra):
     data.generate_memory_suite(root / "data", n_episodes=3, progress=False)  # train.py only reads a --data folder
     args = ["--data", str(root / "data"), "--cache-dir", str(root / "cache"), "--out", str(root / out)]
-    return train.main(args + TINY + list(extra))
+    return train.main(args + (TINY[:-len(DIT_TINY)] if "vla" in extra else TINY) + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -1227,17 +1227,34 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
     (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
+    (["--host", "vla", "--d-model", "32"], "--d-model"), (["--host", "vla", "--head-blocks", "2"], "--head-blocks"),
+    (["--host", "vla", "--mixer"], "--mixer"), (["--host", "vla", "--write-source", "native_kv", "--mem-heads", "2"],
+                                                 "--mem-heads"),
+    (["--host", "vla", "--write-source", "native_kv", "--mem-dim", "8"], "--mem-dim"),
     (["--resume", "--overwrite"], "--overwrite")])
 def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):
-    """A bad value is refused naming the flag, before anything runs, edge values (and vla's unused --d-model) pass."""
+    """A bad value, or a flag the chosen host would ignore, is refused naming the flag before anything runs; edge
+    values pass."""
     monkeypatch.chdir(tmp_path)  # the default --out runs/...: not a run trained in this clone
     assert flag in usage_error(train.get_args, argv, capsys)
     a = train.get_args(["--clip", "inf", "--mem-lr-mult", "0", "--weight-decay", "0", "--warmup", "0", "--seed", "0"])
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
-    assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
+    assert train.get_args(["--host", "vla", "--write-source", "hidden", "--mem-heads", "2"]).mem_heads == 2
     assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
     assert [train.get_args(["--host", h] + x).steps for h in ("dit", "vla") for x in ([], ["--steps", "7"])] == [
         train.STEPS["dit"], 7, train.STEPS["vla"], 7]  # each host's default, or the flag
+
+
+def test_host_config_defaults_are_what_train_py_trains():
+    """HostConfig's defaults are the hosts README's `python train.py [--host vla]` trains (dit: but its memory depth),
+    so make_host(name, HostConfig(...)) builds them; a LIBERO run differs only in its suite settings."""
+    for host in ("dit", "vla"):
+        cfg = train.host_config(train.get_args(["--host", host], run_folder=False), ("x",), 7)
+        assert cfg == HostConfig(host=host, vocab=("x",), action_dim=7,
+                                 mem_depth=train.DIT_MEMORY_DEPTH if host == "dit" else HostConfig.mem_depth)
+    lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
+    assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
+                             image_size=128, pretrained=True, pos_code=False)
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
