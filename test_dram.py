@@ -1757,6 +1757,29 @@ def test_bad_bench_arguments_are_argparse_errors(argv, flag, capsys):
     assert flag in usage_error(bench.main, argv, capsys)
 
 
+def test_readme_bench_commands_run_every_part(tmp_path, monkeypatch, capsys):
+    """Each README bench.py command runs end to end, every part, on its code path at toy sizes (a tiny host, 2 rounds
+    of single calls): bench.md holds each part's table and a finite positive headline ratio per row. A --device cuda
+    command on a machine without a GPU is refused in one line (exit status 2)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "QUICK", (1e-3, 2))
+    tiny = dict(vision="vit_tiny_patch16_224", image_size=32, d_model=32, head_blocks=2, head_heads=2, mem_heads=2,
+                mem_dk=16, mem_dv=16, flow_steps=2)
+    for size in bench.HOST_SIZES:
+        monkeypatch.setitem(bench.HOST_SIZES, size, tiny)
+    commands = list(readme_commands("bench"))
+    assert len(commands) >= 2
+    for argv in commands:
+        if "cuda" in argv and not torch.cuda.is_available():
+            assert "--device cuda" in usage_error(bench.main, argv, capsys)
+            continue
+        bench.main(argv)
+        md = (tmp_path / argv[argv.index("--out") + 1] / "bench.md").read_text()
+        assert all(f"### Part {k}:" in md for k in bench.PARTS)
+        head = re.search(r"### Headline\n\n(.*?)\n\n", md, re.S).group(1).splitlines()[2:]
+        assert len(head) >= 5 and all(0 < float(row.split(" | ")[1]) < math.inf for row in head), head
+
+
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
     """The k-frame baseline is the memoryless host's conditioning plus a learned frame-age embedding: with it zeroed,
     k = 1 gives exactly the host's own tokens for the current frame, and k = 2 both frames' tokens, each in its slot."""
@@ -1791,7 +1814,8 @@ def readme_section(heading):
 def readme_commands(script):
     """The argument lists of each `python/torchrun ... SCRIPT.py` command in README's shell blocks and inline code."""
     text = README.read_text()
-    lines = "\n".join(re.findall(r"^```(?:bash)?\n(.*?)^```", text, re.S | re.M)).splitlines()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)  # (language, code); each fence pair once
+    lines = "\n".join(code for lang, code in blocks if lang in ("", "bash")).splitlines()
     prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     lines += [" ".join(span.split()) for span in re.findall(r"`((?:python|torchrun) [^`]*)`", prose)]
     for line in lines:
@@ -1844,6 +1868,16 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
             assert 1 <= e.replan <= chunks[ck], (argv, chunks[ck])
             n += 1
     assert n >= 5
+
+
+def test_readme_data_command_writes_a_suite_train_py_reads(tmp_path, capsys):
+    """README's `python data.py --suite memory --out DIR` (3 demos per task) writes every task's demo file, which a
+    train.py --data DIR then only reads (find_demo_files without generating), and lists each task."""
+    (argv,) = readme_commands("data")
+    data.main([str(tmp_path) if x == "DIR" else x for x in argv] + ["--episodes", "3"])
+    files = data.find_demo_files(tmp_path, "memory", generate=False)
+    assert sorted(f.name for f in files) == sorted(f"{t}_demo.hdf5" for t in data.MEMORY_TASKS)
+    assert capsys.readouterr().out.count("3 demos") == len(data.MEMORY_TASKS)
 
 
 def test_readme_equation_table_names_exist():
