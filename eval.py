@@ -281,11 +281,15 @@ class CheckpointPolicy:
     """A train.py checkpoint as a policy: each act() is one memory transition; a new chunk is denoised every `replan`
     observations and at an episode start (not at a --reset-every reset); on a GPU, CUDA graphs if Host.cuda_graphs."""
 
-    def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
+    def __init__(self, ckpt, device="cpu", replan=None, cuda_graphs=True, suite=None):
         self.host, ck = hosts.load_checkpoint(ckpt, device)
         self.stats, self.device = ck["stats"], torch.device(device)
         self.suite, self.frame_size = ck["suite"], tuple(ck["frame_size"])  # what it was trained on: (H, W)
+        if suite not in (None, self.suite):
+            raise hosts.ConfigError(f"{ckpt} was trained on {self.suite}, not {suite}: evaluate it on its own, with "
+                                    f"--suite {self.suite} or without --suite")
         self.sha1 = ck["file_sha1"]  # names the policy in episode logs: a file retrained in place never resumes one
+        replan = replan or REPLAN[self.suite]
         if not 1 <= replan <= self.host.cfg.chunk:
             raise hosts.ConfigError(f"--replan {replan} must be in [1, chunk = {self.host.cfg.chunk}] for {ckpt}")
         self.replan, self.use_graphs = replan, cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
@@ -428,8 +432,8 @@ def summarize(records, tasks):
 
 
 def results_table(suite, summaries):
-    """{policy: summarize(...)} -> markdown: success % per task and policy (and the mean over tasks), beside the
-    memoryless ceiling on the embedded suite; then how the failed episodes ended."""
+    """{policy: summarize(...)} -> markdown: what the numbers are, success % per task and policy (and the mean over
+    tasks), beside the memoryless ceiling on the embedded suite; then how the failed episodes ended."""
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     tasks = [r["task"] for r in next(iter(summaries.values()))["tasks"]]
@@ -437,7 +441,10 @@ def results_table(suite, summaries):
     if suite == data.MEMORY_SUITE:
         ceiling = [data.MEMORYLESS_CEILING[t] for t in tasks]
         columns = {"memoryless ceiling %": ceiling + [float(np.mean(ceiling))], **columns}
-    lines = [row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
+    n = sorted({r["episodes"] for s in summaries.values() for r in s["tasks"]})  # per task and policy
+    eps = f"{n[0]}" if len(n) == 1 else f"{n[0]}-{n[-1]}"
+    lines = [f"Success % per task over {eps} episodes each, and its mean over tasks; one column per policy:", "",
+             row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
     lines += [row([task] + [pct(c[j]) for c in columns.values()]) for j, task in enumerate(tasks + ["mean"])]
     fails = [row([r["task"], name, ", ".join(f"{k} {v}" for k, v in r["failures"].items())])
              for name, s in summaries.items() for r in s["tasks"] if r["failures"]]
@@ -477,16 +484,19 @@ def evaluate(tasks, trials, policy, slots, out, settings, reset_every=0):
     return summarize([r for r in logged if r["trial"] < trials], tasks)
 
 
-def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
+def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
                          num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
-    then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every>. The parameters are eval.py's flags."""
+    then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every>. The parameters are eval.py's flags;
+    suite None: the one the checkpoints were trained on (get_args: no --suite needs a --ckpt)."""
+    policies = {}
+    for ck in ckpt or []:  # every file is checked before the first episode; the suite: --suite, or the first file's
+        policies[str(ck)] = CheckpointPolicy(ck, device, replan, cuda_graphs, suite)
+        suite = suite or policies[str(ck)].suite
+    if suite == data.MEMORY_SUITE and max_steps:
+        raise hosts.ConfigError("--max-steps: a LIBERO setting; the embedded suite has its tasks' own step limits")
     common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps)
-    policies = {str(ck): CheckpointPolicy(ck, device, common["replan"], cuda_graphs) for ck in ckpt or []}
-    for ck, policy in policies.items():  # every file is checked before the first episode
-        if policy.suite != suite:
-            raise hosts.ConfigError(f"{ck} was trained on {policy.suite}; evaluate it with --suite {policy.suite}")
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
     for i, (name, policy) in enumerate((policies or {"zero": ZeroPolicy()}).items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
@@ -514,7 +524,7 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
 def parser():
     p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default=data.MEMORY_SUITE, choices=list(REPLAN), help="(default: %(default)s)")
+    p.add_argument("--suite", choices=list(REPLAN), help="(default: the suite the checkpoints were trained on)")
     p.add_argument("--ckpt", action="append", help="train.py checkpoint; several: side by side (default: none; "
                    "LIBERO then runs a zero policy)")
     p.add_argument("--tasks", type=int, nargs="+", help="task ids (default: all)")
@@ -548,11 +558,8 @@ def get_args(argv=None):
             p.error(f"--device {args.device}: this machine has no GPU")
     except RuntimeError as e:
         p.error(f"--device {args.device}: {e}")
-    if args.suite == data.MEMORY_SUITE and not args.ckpt:
-        p.error("--suite memory needs --ckpt (train one with `python train.py`)")
-    if args.suite == data.MEMORY_SUITE and args.max_steps:
-        p.error("--max-steps: a LIBERO setting; the embedded suite has its tasks' own step limits")
-    args.replan = args.replan or REPLAN[args.suite]
+    if args.suite in (None, data.MEMORY_SUITE) and not args.ckpt:
+        p.error("pass --ckpt (train one with `python train.py`); only a LIBERO --suite runs without one (a zero policy)")
     return args
 
 

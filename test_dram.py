@@ -1582,7 +1582,11 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     recs, s = ev.load_log(out / "episodes.jsonl"), json.loads((out / "summary.json").read_text())["summaries"][ck]
     assert sorted((r["task_id"], r["trial"]) for r in recs) == [(t, 0) for t in range(6)]
     assert [t["successes"] for t in s["tasks"]] == [r["success"] for r in sorted(recs, key=lambda r: r["task_id"])]
-    assert (out / "results.md").read_text() == ev.results_table("memory", {ck: s}) + "\n"
+    table = (out / "results.md").read_text()
+    assert table == ev.results_table("memory", {ck: s}) + "\n"
+    assert "Success % per task over 1 episodes each" in table  # what each number is: --eval-episodes 1 per task
+    cells = {r.split(" | ")[0][2:]: float(r.split(" | ")[2][:-2]) for r in table.splitlines()[4:10]}  # task -> policy %
+    assert cells == {t["task"]: 100.0 * t["successes"] / t["episodes"] for t in s["tasks"]}
     c = torch.load(ck, weights_only=False)
     name = next(iter(c["model"]))
     torch.save(dict(c, model=dict(c["model"], **{name: c["model"][name] + 1.0})), ck)  # changed in place
@@ -1597,11 +1601,12 @@ def test_train_quick_eval_and_results(trained, tmp_path):
 
 
 def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsys):
-    """--replan defaults to the suite's protocol; a user's mistake: one line, exit 2."""
-    # openpi: half of LIBERO's 10-action chunk, then replan; the embedded suite: every frame. A given --replan wins.
-    assert {ev.get_args(["--suite", s]).replan for s in ev.LIBERO_MAX_STEPS} == {train.LIBERO_CHUNK // 2} == {5}
-    assert [ev.get_args(a).replan for a in (["--ckpt", "x.pt"], ["--suite", "libero_10", "--replan", "2"])] == [1, 2]
+    """The suite is the checkpoint's unless --suite says otherwise, --replan the suite's protocol; a user's mistake
+    (a --suite that contradicts the checkpoint among them): one line, exit 2."""
     ck, good = trained[1], Path(trained[1]).read_bytes()
+    s = ev.main(["--ckpt", ck, "--tasks", "0", "--trials", "1", "--out", str(tmp_path / "own")])  # no --suite
+    settings = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert settings["suite"] == "memory" and settings["replan"] == 1 and s[ck]["episodes"] == 1
     torch.save({"state_dict": {}}, tmp_path / "other.pt")
     torch.save(dict(torch.load(ck, weights_only=False), suite="libero_10"), tmp_path / "libero.pt")
     (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
@@ -1611,6 +1616,8 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
     cases += [(["--ckpt", str(tmp_path)], str(tmp_path)), (["--ckpt", ck, "--replan", "9"], "--replan 9"),  # chunk 4
               (["--ckpt", ck, "--ckpt", str(tmp_path / "libero.pt")], "--suite libero_10"),
               (["--suite", "libero_10", "--ckpt", ck, "--replan", "2"], "--suite memory"),
+              (["--suite", "libero_10", "--ckpt", ck], "--suite memory"),
+              (["--ckpt", str(tmp_path / "libero.pt"), "--replan", "2", "--tasks", "99"], "of libero_10"),  # its suite
               (["--ckpt", ck, "--out", str(tmp_path)], "episodes.jsonl"), ([], "--ckpt"),  # a log of another run
               (["--ckpt", ck, "--tasks", "6"], "--tasks"), (["--ckpt", ck, "--tasks", "0", "0"], "--tasks"),
               (["--suite", "libero_100"], "--suite"), (["--ckpt", ck, "--max-steps", "3"], "--max-steps"),
@@ -1855,19 +1862,18 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     chunk (eval.py would refuse it otherwise); on LIBERO the default is openpi's: half of the chunk."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "W.safetensors").touch()  # README's offline weights file
-    chunks = {str(Path(a.out) / "ckpt.pt"): a.chunk for a in map(train.get_args, readme_commands("train"))}
-    assert chunks["runs/dit-dram-libero_10/ckpt.pt"] == train.LIBERO_CHUNK
-    assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(chunks)
+    runs = {str(Path(a.out) / "ckpt.pt"): a for a in map(train.get_args, readme_commands("train"))}
+    assert runs["runs/dit-dram-libero_10/ckpt.pt"].chunk == train.LIBERO_CHUNK
+    assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(runs)
     n = 0
     for argv in readme_commands("eval"):
         e = ev.get_args(argv)
-        if e.suite != "memory" and "--replan" not in argv:
-            assert e.replan == train.LIBERO_CHUNK // 2, (argv, e.replan)
         for ck in e.ckpt or []:
-            assert ck in chunks, f"README evaluates {ck}, which no README train command writes"
-            assert 1 <= e.replan <= chunks[ck], (argv, chunks[ck])
+            assert ck in runs, f"README evaluates {ck}, which no README train command writes"
+            a = runs[ck]  # the suite: --suite, which must be the checkpoint's, or the checkpoint's
+            assert e.suite in (None, a.suite) and 1 <= (e.replan or ev.REPLAN[a.suite]) <= a.chunk, (argv, a.chunk)
             n += 1
-    assert n >= 5
+    assert n >= 5 and {ev.REPLAN[s] for s in ev.LIBERO_MAX_STEPS} == {train.LIBERO_CHUNK // 2}
 
 
 def test_readme_data_command_writes_a_suite_train_py_reads(tmp_path, capsys):
