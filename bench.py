@@ -161,19 +161,16 @@ def make_dit(size, memory, device):
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
 class KFrameContext(nn.Module):
     """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the last k frames'
-    tokens, kept in a ring buffer (the tower runs once per frame, as for DRAM) and told apart by a learned embedding
-    per frame age (0 = current); the instruction token comes once. Built on a memory="none" host, whose embeddings and
-    head it uses: at k = 1 with a zero age embedding it conditions the head exactly as that host does."""
+    tokens, kept in a ring buffer [B, k, n_cam P, D] (the tower runs once per frame, as for DRAM) and told apart by a
+    learned embedding per frame age (0 = current); the instruction token comes once. Built on a memory="none" host,
+    whose embeddings and head it uses: at k = 1 with a zero age embedding it conditions the head exactly as that host
+    does."""
 
     def __init__(self, host, k):
         super().__init__()
         assert host.memory is None, "the k-frame baseline runs on the memoryless host"
         self.host, self.k = host, k
         self.frame_embed = nn.Parameter(0.02 * torch.randn(k, 1, host.tower.width))  # [k, 1, D] per age
-
-    def init_buffer(self, B, NP, device):
-        """The policy's persistent state: the last k frames' tokens [B, k, n_cam P, D]."""
-        return torch.zeros(B, self.k, NP, self.host.tower.width, device=device)
 
     def step(self, feats, instr, buf, t):
         """Control step t (0-based): frame t into slot t mod k (in place), then the head's tokens.

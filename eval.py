@@ -559,7 +559,7 @@ def get_args(argv=None):
     except RuntimeError as e:
         p.error(f"--device {args.device}: {e}")
     if args.suite in (None, data.MEMORY_SUITE) and not args.ckpt:
-        p.error("pass --ckpt (train one with `python train.py`); only a LIBERO --suite runs without one (a zero policy)")
+        p.error("pass --ckpt (train one with `python train.py`); only a LIBERO --suite runs without (a zero policy)")
     return args
 
 

@@ -737,6 +737,12 @@ def test_host_errors_name_the_flag_or_key():
 
 # ==== data.py: LIBERO HDF5 schema, validation errors, statistics, feature cache, TBPTT sampler, embedded suite ====
 
+def read_demo_file(path, images=True):
+    """(instruction, list[Demo]), every demo read and validated."""
+    instruction, demos = data.iter_demo_file(path, images)
+    return instruction, list(demos)
+
+
 def make_demo(rng, T, H=8, W=10):
     return {"agentview_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
             "eye_in_hand_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
@@ -765,7 +771,7 @@ def test_read_libero_schema_as_eval_sees_it(tmp_path):
     p = write_libero(tmp_path / "LIVING_ROOM_SCENE2_pick_up_the_bowl_demo.hdf5", demos, problem_info=False,
                      names=["demo_10", "demo_2", "demo_0", "demo1"])
     with pytest.warns(UserWarning) as warned:  # a skipped non-demo group; an instruction taken from the file name
-        instr, got = data.read_demo_file(p)
+        instr, got = read_demo_file(p)
     assert all(any(k in str(w.message) for w in warned) for k in ("demo1", "problem_info"))
     assert instr == "pick up the bowl" and [d.name for d in got] == ["demo_0", "demo_2", "demo_10"]
     for d, src in zip(got, demos[2::-1]):
@@ -779,7 +785,7 @@ def test_read_libero_schema_as_eval_sees_it(tmp_path):
     with h5py.File(p, "a") as f:  # an instruction stored as a list of words is joined
         f["data"].attrs["problem_info"] = json.dumps({"language_instruction": ["open", "the", "drawer"]})
     with pytest.warns(UserWarning, match="demo1"):
-        instr, no_img = data.read_demo_file(p, images=False)
+        instr, no_img = read_demo_file(p, images=False)
     assert instr == "open the drawer" and no_img[0].images == {} and np.array_equal(no_img[0].state, got[0].state)
     assert no_img[0].frame_hw == got[0].frame_hw == (8, 10)
 
@@ -817,7 +823,7 @@ def test_bad_input_raises(tmp_path, key, value, named):
     """Named by file and key before any frame is encoded: by train.scan (no pixels read) and by the feature cache."""
     p = _corrupt(tmp_path, {key: value})
     never = mock.Mock(side_effect=AssertionError("a frame was encoded"))
-    for reader in (data.read_demo_file, lambda p: train.scan([p]),
+    for reader in (read_demo_file, lambda p: train.scan([p]),
                    lambda p: data.build_feature_cache([p], never, "k", tmp_path / "cache", progress=False)):
         e = pytest.raises(data.DataError, reader, p)
         assert str(p) in str(e.value) and (named or key) in str(e.value)
@@ -827,7 +833,7 @@ def test_scan_checks_frame_size_and_action_width(tmp_path):
     """One demo's cameras smaller: readable, but no frame size; one demo's actions narrower: both named by scan.
     (A file that is not HDF5 or damaged: test_damaged_hdf5_is_named.)"""
     p = _corrupt(tmp_path, {f"{D1}obs/{c}": np.zeros((5, 4, 4, 3), np.uint8) for c in data.CAMERAS})
-    data.read_demo_file(p)
+    read_demo_file(p)
     pytest.raises(data.DataError, train.scan, [p]).match(r"bad_demo.hdf5: data/demo_0.*bad_demo.hdf5: data/demo_1")
     a = write_libero(tmp_path / "a_demo.hdf5", [make_demo(np.random.default_rng(4), 4)])
     b = _corrupt(tmp_path, {D1 + "actions": np.zeros((5, 6))})  # train.scan checks every demo, before encoding
@@ -870,7 +876,7 @@ def test_damaged_hdf5_is_named(tmp_path, capsys, recwarn):  # recwarn: damaged g
         chunk = f["data/demo_1/obs/eye_in_hand_rgb"].id.get_chunk_info(2)
     assert chunk.filter_mask == 0  # lzf applied
     p.write_bytes(good[:chunk.byte_offset] + b"\xff" * chunk.size + good[chunk.byte_offset + chunk.size:])
-    pytest.raises(data.DataError, data.read_demo_file, p).match(re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb"))
+    pytest.raises(data.DataError, read_demo_file, p).match(re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb"))
     metadata = 0  # blocks whose zeroing train.scan (no pixels read) reports
     for at in [None] + list(range(0, len(good), 512)):  # None: the corrupt chunk
         if at is not None:
@@ -1083,7 +1089,7 @@ def test_memory_suite_files(tmp_path, monkeypatch):
     assert list(files) == sorted(data.MEMORY_TASKS)
     digests = {"cue_colour": "bfe7a318efc3f9b3", "count_2": "546be8d2654893f9"}  # of the first 3 demos
     for task, f in files.items():
-        instr, demos = data.read_demo_file(f)
+        instr, demos = read_demo_file(f)
         env, ti = data.MemoryEnv(task), list(data.MEMORY_TASKS).index(task)
         K, c0 = env.p.get("k", 1), data.CUE_STEPS  # c0: the first frame without the cue
         assert instr == env.instruction and len(demos) == 9
@@ -1344,7 +1350,7 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"]) == 12
     assert ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]  # the ranks walked disjoint episodes
     demos = [d for f in data.find_demo_files(tmp_path / "data", "memory", generate=False)
-             for d in data.read_demo_file(f, images=False)[1]]
+             for d in read_demo_file(f, images=False)[1]]
     assert sum(s["n_episodes"] for s in ck["sampler"]) == len(demos)  # the two shares cover every episode once
     for k, v in data.compute_stats([d.state for d in demos], [d.actions for d in demos]).items():  # pooled
         np.testing.assert_allclose(np.asarray(ck["stats"][k]), v, rtol=1e-5, atol=1e-6)
@@ -1798,7 +1804,7 @@ def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
         ctx = bench.KFrameContext(host, k)
         with torch.no_grad():
             ctx.frame_embed.zero_()
-        buf = ctx.init_buffer(2, NP, "cpu")
+        buf = torch.zeros(2, k, NP, feats.shape[-1])  # the ring buffer: the last k frames' tokens
         for t in range(2):
             out = ctx.step(feats[:, t], instr, buf, t)["tokens"]  # [2, k NP + 1, D]
         assert out.shape[1] == k * NP + 1 and torch.equal(out[:, -1], own[:, 1, -1])  # the instruction token, once

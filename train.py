@@ -29,8 +29,8 @@ import data
 from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
 from hosts import nonfinite, read_checkpoint, save_checkpoint
 
-# Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla) minutes
-# of training on 2 CPU cores (README: what each reaches). MEM_LR_MULT: the memory layers' lr (README: the vla trade-off).
+# Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla)
+# minutes of training on 2 CPU cores (README: what each reaches). MEM_LR_MULT: the memory layers' lr (README: vla's).
 STEPS = dict(dit=2200, vla=1800)
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
@@ -137,14 +137,13 @@ def get_args(argv=None, run_folder=True):
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
     # a flag that means nothing to the host it is given for is refused, not ignored
-    why = dict.fromkeys(VLA_ONLY if a.host == "dit" else DIT_ONLY, f"not an option of the {a.host} host: the dit "
-                        f"host's memory writes its frame tokens, the vla host's expert has its backbone's width and "
-                        f"depth (--vla-layers)")
-    if a.write_source == "native_kv":
-        why |= dict.fromkeys(PROJECTED, "not an option of --write-source native_kv, whose memory writes the backbone's "
-                             "own heads (its number and width)")
+    why = (dict.fromkeys(VLA_ONLY, "the dit host, whose memory writes its frame tokens (vla host: --host vla)")
+           if a.host == "dit" else dict.fromkeys(DIT_ONLY, "the vla host, whose action expert has its backbone's "
+                                                 "width and depth (--vla-layers)"))
+    why |= dict.fromkeys(PROJECTED if a.write_source == "native_kv" else (), "--write-source native_kv, whose memory "
+                         "writes the backbone's own heads (their number and width)")
     if given := [k for k in why if getattr(a, k) is not None]:
-        p.error(f"--{given[0].replace('_', '-')} is {why[given[0]]}")
+        p.error(f"--{given[0].replace('_', '-')} is not an option of {why[given[0]]}")
     if a.host == "vla" and a.mem_depth is not None and a.write_source not in (None, "last_hidden"):  # one per layer
         p.error(f"--mem-depth applies to --write-source last_hidden; with {a.write_source} the vla host has one memory "
                 f"layer per backbone layer (--vla-layers)")
