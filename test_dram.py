@@ -9,6 +9,7 @@ import argparse
 import builtins
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -1880,6 +1881,32 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
             assert e.suite in (None, a.suite) and 1 <= (e.replan or ev.REPLAN[a.suite]) <= a.chunk, (argv, a.chunk)
             n += 1
     assert n >= 5 and {ev.REPLAN[s] for s in ev.LIBERO_MAX_STEPS} == {train.LIBERO_CHUNK // 2}
+
+
+def test_readme_train_commands_build_their_host_and_train_a_step(tmp_path, monkeypatch):
+    """Each README train.py command, past its arguments: the host it configures (on a tiny random tower; the rest as
+    the command sets it) with train.py's optimizer takes one train.train_step on a window of its own features."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "W.safetensors").touch()  # README's offline weights file
+    tower = dict(vision="vit_tiny_patch16_224", image_size=32, pretrained=False, weights_file="")
+    n = 0
+    for argv in readme_commands("train"):
+        a = train.get_args(argv)
+        torch.manual_seed(0)
+        host = make_host(a.host, dataclasses.replace(train.host_config(a, ("x",), 7), **tower))
+        cams = {c: torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8) for c in host.cfg.cameras}
+        ones = lambda *shape: torch.ones(*shape, dtype=torch.bool)
+        batch = dict(tokens=host.encode(cams, torch.zeros(4, dtype=torch.long)).unflatten(0, (2, 2)),  # [B, T, ...]
+                     instr=torch.zeros(2, dtype=torch.long), state=torch.randn(2, 2, 8),
+                     actions=torch.randn(2, 2, a.chunk, 7), action_mask=ones(2, 2, a.chunk), frame_valid=ones(2, 2),
+                     reset=ones(2))
+        opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+        before = [p.detach().clone() for p in host.trainable_parameters()]
+        loss, _, _ = train.train_step(host, opt, host.trainable_parameters(), batch, host.init_state(2), a.clip)
+        assert math.isfinite(loss.item()), argv
+        assert any(not torch.equal(p, q) for p, q in zip(before, host.trainable_parameters())), argv
+        n += 1
+    assert n >= 10
 
 
 def test_readme_data_command_writes_a_suite_train_py_reads(tmp_path, capsys):
