@@ -12,11 +12,13 @@ What DRAM costs against what a user would run instead, each timed beside its bas
      a step does not grow with the episode), and a k-frame context (no memory; the head cross-attends to the last
      k frames' tokens; k = 1 is the memoryless host) against DRAM. On CUDA also replayed as CUDA graphs.
   3  a training step as train.py runs it (train.train_step on cached features), per frame: DRAM against memoryless.
-Sizes of parts 2-3: libero = train.py's LIBERO host (vit_small at 128 px: 129 tokens x 384); gr00t = a head of
+Sizes of parts 2-3: libero = train.py's LIBERO host (vit_small at 128 px: 129 tokens x 384; its settings, optimizer
+and clip read through train.get_args, random tower weights); gr00t = a head of
 GR00T N1.5's size (16 blocks, width 1536) on 393 tokens x 2048. Each ratio is the median of per-round ratios over
 interleaved rounds, so a load change on a shared machine hits both sides alike; absolute times are this machine's.
 """
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -30,14 +32,18 @@ import torch.nn.functional as F
 
 from dram import joint_write, write_weights
 from eval import capture_cuda_graph
-from hosts import HostConfig, make_host
+from hosts import make_host
 import train
 
 # ---- Timing and tables -------------------------------------------------------------------------------------------
+QUICK, FULL = (0.5, 9), (2.0, 15)  # (s of calls per timed function, interleaved rounds): --quick, the default
+LATE = 1000  # part 2: the episode frame whose step is timed against frame 1 (LIBERO episodes: up to 520 steps)
+
+
 def timeit(fns, args):
     """Times every fn of {name: fn} interleaved: rounds of one block of calls of every fn (the order rotated per
     round), a block lasting about run_time / rounds s. -> {name: [s per call, one per round]}."""
-    run_time, rounds = (0.5, 9) if args.quick else (2.0, 15)
+    run_time, rounds = QUICK if args.quick else FULL
     sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
 
     def block(fn, n):  # s per call over n back-to-back calls, the device synchronised at both ends
@@ -133,8 +139,8 @@ def part1(args):
 
 
 # ---- The DiT host at the sizes of parts 2-3 ----------------------------------------------------------------------
-HOST_SIZES = {
-    "libero": dict(vision="vit_small_patch16_224.dino", image_size=128, chunk=train.LIBERO_CHUNK),
+HOST_SIZES = {  # changes to train.py's LIBERO host
+    "libero": {},
     # GR00T N1.5's FlowmatchingActionHead: 16 blocks alternating cross / self attention, 32 heads x 48 = 1536,
     # horizon 16, 4 Euler steps; a random ResNet-50 at 448 px stands in for its 2 x 196 vision-language tokens x 2048
     "gr00t": dict(vision="resnet50", image_size=448, d_model=1536, head_blocks=16, head_heads=32, chunk=16,
@@ -142,27 +148,30 @@ HOST_SIZES = {
 }
 
 
+def train_args():
+    """train.py's settings for a LIBERO run, random tower weights (the timings do not depend on them)."""
+    return train.get_args(["--suite", "libero_10", "--no-pretrained"], run_folder=False)
+
+
 def make_dit(size, memory, device):
-    """The DiT host at a size, random weights (the timings do not depend on them)."""
-    return make_host("dit", HostConfig(memory=memory, vocab=("bench",), **HOST_SIZES[size])).to(device)
+    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes."""
+    cfg = train.host_config(train_args(), vocab=("bench",), action_dim=7)
+    return make_host("dit", dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
 
 
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
 class KFrameContext(nn.Module):
     """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the last k frames'
-    tokens, kept in a ring buffer (the tower runs once per frame, as for DRAM) and told apart by a learned embedding
-    per frame age (0 = current); the instruction token comes once. Built on a memory="none" host, whose embeddings and
-    head it uses: at k = 1 with a zero age embedding it conditions the head exactly as that host does."""
+    tokens, kept in a ring buffer [B, k, n_cam P, D] (the tower runs once per frame, as for DRAM) and told apart by a
+    learned embedding per frame age (0 = current); the instruction token comes once. Built on a memory="none" host,
+    whose embeddings and head it uses: at k = 1 with a zero age embedding it conditions the head exactly as that host
+    does."""
 
     def __init__(self, host, k):
         super().__init__()
         assert host.memory is None, "the k-frame baseline runs on the memoryless host"
         self.host, self.k = host, k
         self.frame_embed = nn.Parameter(0.02 * torch.randn(k, 1, host.tower.width))  # [k, 1, D] per age
-
-    def init_buffer(self, B, NP, device):
-        """The policy's persistent state: the last k frames' tokens [B, k, n_cam P, D]."""
-        return torch.zeros(B, self.k, NP, self.host.tower.width, device=device)
 
     def step(self, feats, instr, buf, t):
         """Control step t (0-based): frame t into slot t mod k (in place), then the head's tokens.
@@ -178,7 +187,7 @@ class KFrameContext(nn.Module):
 
 @torch.no_grad()
 def part2(args):
-    device, ts, ks = args.device, (1, 1000), ((1, 8) if args.quick else (1, 4, 8, 16))
+    device, ts, ks, late = args.device, (1, LATE), ((1, 8) if args.quick else (1, 4, 8, 16)), f"DRAM t={LATE}"
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device)
     rows, headline = [], []
@@ -210,23 +219,22 @@ def part2(args):
             runs["CUDA graph"] = {k: capture_cuda_graph(f, device=device)[0].replay for k, f in fns.items()}
         for how, run in runs.items():
             per = timeit(run, args)
-            x = {"DRAM t=1000": ratio(per, "DRAM t=1000", "DRAM t=1")}
-            x |= {f"k={k}": ratio(per, f"k={k}", "DRAM t=1000") for k in ks}
+            x = {late: ratio(per, late, "DRAM t=1")} | {f"k={k}": ratio(per, f"k={k}", late) for k in ks}
             rows += [[size, how, name, tokens.get(name, "-"), ms(per, name), f"{x[name]:.2f}" if name in x else "-"]
                      for name in run]
-        headline += [(f"control step, DRAM at t=1000 vs t=1 ({size}, {how})", x["DRAM t=1000"], "t=1000 / t=1"),
+        headline += [(f"control step, DRAM at t={LATE} vs t=1 ({size}, {how})", x[late], f"t={LATE} / t=1"),
                      (f"control step, k=8 context vs DRAM ({size}, {how})", x["k=8"], "k=8 / DRAM")]
     return table("Part 2: control-step latency (B = 1)", ["size", "run", "policy", "head tokens", "ms", "x"], rows,
                  "One step = host.step (DRAM: one read-write transition of the memory) or the ring-buffer write "
                  "(k frames), then host.sample (one action chunk); the frozen encoder runs once per frame on either "
-                 "side. x: DRAM t=1000 = time / DRAM t=1; k = time / DRAM t=1000."), headline
+                 f"side. x: {late} = time / DRAM t=1; k = time / {late}."), headline
 
 
 # ---- Part 3: training time per frame, DRAM against the memoryless host -------------------------------------------
 def make_train_step(host, B, T, g):
     """One train.train_step on B streams x T frames of cached features (random tensors of the tower's output shape),
     with train.py's optimizer and clip at their defaults and a memory state carried over from a previous window."""
-    cfg, dev, p = host.cfg, host.patch_pos.device, train.parser()
+    cfg, dev, a = host.cfg, host.patch_pos.device, train_args()
     rand = lambda *shape: torch.randn(*shape, generator=g).to(dev)
     ones = lambda *shape: torch.ones(*shape, dtype=torch.bool, device=dev)
     batch = dict(tokens=rand(B, T, len(cfg.cameras) * host.tower.n_patches, host.tower.width),  # [B, T, n_cam P, D]
@@ -235,8 +243,8 @@ def make_train_step(host, B, T, g):
                  actions=rand(B, T, cfg.chunk, cfg.action_dim),  # [B, T, C, Da]
                  action_mask=ones(B, T, cfg.chunk), frame_valid=ones(B, T), reset=~ones(B))
     S0 = 0.1 * rand(*host.init_state(B).shape)  # [B, ...] (empty for the memoryless host)
-    opt = train.make_optimizer(host, train.DEFAULTS["lr"], p.get_default("weight_decay"), p.get_default("mem_lr_mult"))
-    return lambda: train.train_step(host, opt, host.trainable_parameters(), batch, S0, p.get_default("clip"))
+    opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+    return lambda: train.train_step(host, opt, host.trainable_parameters(), batch, S0, a.clip)
 
 
 def part3(args):

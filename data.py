@@ -173,12 +173,6 @@ def iter_demo_file(path, images=True):
     return instruction, gen()
 
 
-def read_demo_file(path, images=True):
-    """(instruction, list[Demo]), fully validated."""
-    instruction, demos = iter_demo_file(path, images)
-    return instruction, list(demos)
-
-
 def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
     """Write episodes (dicts of raw, upside-down agentview_rgb / eye_in_hand_rgb uint8 [T,H,W,3], ee_states [T,6],
     gripper_states [T,2], actions [T,Da], success) in LIBERO's layout, atomically; lzf images shrink ~20x."""

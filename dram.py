@@ -223,7 +223,8 @@ class DRAMLayer(nn.Module):
         if not cfg.kv_proj and (cfg.d_k != H * dk or cfg.d_v != H * dv):
             raise ValueError(f"DRAMConfig(kv_proj=False) needs d_k = n_heads head_dk, d_v = n_heads head_dv: {cfg}")
         # eq. (projections): a LayerNorm per source, the heads' projections in one matrix each
-        self.ln_q, self.ln_k, self.ln_v = nn.LayerNorm(cfg.d_q), nn.LayerNorm(cfg.d_k), nn.LayerNorm(cfg.d_v)
+        self.ln_q, self.ln_k = nn.LayerNorm(cfg.d_q), nn.LayerNorm(cfg.d_k)  # ln_k: also the gates' input g_i
+        self.ln_v = nn.LayerNorm(cfg.d_v) if cfg.kv_proj else None  # native KV: V is the host's own, as it is
         self.W_Q = nn.Linear(cfg.d_q, H * dk, bias=False)
         self.W_K = nn.Linear(cfg.d_k, H * dk, bias=False) if cfg.kv_proj else None
         self.W_V = nn.Linear(cfg.d_v, H * dv, bias=False) if cfg.kv_proj else None

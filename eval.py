@@ -358,12 +358,16 @@ class CheckpointPolicy:
     """A train.py checkpoint as a policy: each act() is one memory transition; a new chunk is denoised every `replan`
     observations and at an episode start (not at a --reset-every reset); on a GPU, CUDA graphs if Host.cuda_graphs."""
 
-    def __init__(self, ckpt, device="cpu", replan=1, cuda_graphs=True):
+    def __init__(self, ckpt, device="cpu", replan=None, cuda_graphs=True, suite=None):
         self.host, ck = hosts.load_checkpoint(ckpt, device)
         self.stats, self.device = ck["stats"], torch.device(device)
         self.suite, self.frame_size = ck["suite"], tuple(ck["frame_size"])  # what it was trained on: (H, W)
+        if suite not in (None, self.suite):
+            raise hosts.ConfigError(f"{ckpt} was trained on {self.suite}, not {suite}: evaluate it on its own, with "
+                                    f"--suite {self.suite} or without --suite")
         self.sha1 = ck["file_sha1"]  # names the policy in episode logs: a file retrained in place never resumes one
         self.instructions = ck["instructions"]  # {task name: instruction} as training read them from the demo files
+        replan = replan or REPLAN[self.suite]
         if not 1 <= replan <= self.host.cfg.chunk:
             raise hosts.ConfigError(f"--replan {replan} must be in [1, chunk = {self.host.cfg.chunk}] for {ckpt}")
         self.replan, self.use_graphs = replan, cuda_graphs and self.device.type == "cuda" and self.host.cuda_graphs
@@ -671,8 +675,8 @@ def summarize(records, tasks):
 
 
 def results_table(suite, summaries):
-    """{policy: summarize(...)} -> markdown: success % per task and policy (and the mean over tasks), beside the
-    memoryless ceiling on the embedded suite; then how the failed episodes ended."""
+    """{policy: summarize(...)} -> markdown: what the numbers are, success % per task and policy (and the mean over
+    tasks), beside the memoryless ceiling on the embedded suite; then how the failed episodes ended."""
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     tasks = [r["task"] for r in next(iter(summaries.values()))["tasks"]]
@@ -680,7 +684,10 @@ def results_table(suite, summaries):
     if suite in data.CEILINGS:
         ceiling = [data.CEILINGS[suite][t] for t in tasks]
         columns = {"memoryless ceiling %": ceiling + [float(np.mean(ceiling))], **columns}
-    lines = [row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
+    n = sorted({r["episodes"] for s in summaries.values() for r in s["tasks"]})  # per task and policy
+    eps = f"{n[0]}" if len(n) == 1 else f"{n[0]}-{n[-1]}"
+    lines = [f"Success % per task over {eps} episodes each, and its mean over tasks; one column per policy:", "",
+             row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
     lines += [row([task] + [pct(c[j]) for c in columns.values()]) for j, task in enumerate(tasks + ["mean"])]
     if suite in data.MIKASA_SUITES:  # MIKASA reports the mean per memory type too
         types = sorted({data.MIKASA_TASKS[t][1] for t in tasks})
@@ -744,19 +751,22 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
     return summarize([r for r in logged if r["trial"] < trials], tasks)
 
 
-def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
+def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
                          num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None, trace=False):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
     then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every> (trace_... with trace). The parameters
-    are eval.py's flags; tracing runs the control step eagerly (a graph replay fills no tap)."""
-    common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps)
-    policies = {str(ck): CheckpointPolicy(ck, device, common["replan"], cuda_graphs and not trace) for ck in ckpt or []}
-    for ck, policy in policies.items():  # every file is checked before the first episode
-        if policy.suite != suite:
-            raise hosts.ConfigError(f"{ck} was trained on {policy.suite}; evaluate it with --suite {policy.suite}")
-        if trace and policy.host.memory is None:
+    are eval.py's flags; suite None: the one the checkpoints were trained on (get_args: no --suite needs a --ckpt);
+    tracing runs the control step eagerly (a graph replay fills no tap)."""
+    policies = {}
+    for ck in ckpt or []:  # every file is checked before the first episode; the suite: --suite, or the first file's
+        policies[str(ck)] = CheckpointPolicy(ck, device, replan, cuda_graphs and not trace, suite)
+        suite = suite or policies[str(ck)].suite
+        if trace and policies[str(ck)].host.memory is None:
             raise hosts.ConfigError(f"--trace: {ck} has no memory to trace (trained with --memory none)")
+    if suite not in LIBERO_MAX_STEPS and max_steps:
+        raise hosts.ConfigError(f"--max-steps: a LIBERO setting; {suite}'s tasks have their own step limits")
+    common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps)
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
     running = policies or {"zero": ZeroPolicy()}
     instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
@@ -789,7 +799,7 @@ def evaluate_checkpoints(ckpt=None, suite=data.MEMORY_SUITE, trials=50, tasks=No
 def parser():
     p = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default=data.MEMORY_SUITE, choices=list(REPLAN), help="(default: %(default)s)")
+    p.add_argument("--suite", choices=list(REPLAN), help="(default: the suite the checkpoints were trained on)")
     p.add_argument("--ckpt", action="append", help="train.py checkpoint; several: side by side (default: none; "
                    "LIBERO then runs a zero policy)")
     p.add_argument("--tasks", type=int, nargs="+", help="task ids (default: all)")
@@ -826,13 +836,11 @@ def get_args(argv=None):
             p.error(f"--device {args.device}: this machine has no GPU")
     except RuntimeError as e:
         p.error(f"--device {args.device}: {e}")
-    if args.suite == data.MEMORY_SUITE and not args.ckpt:
-        p.error("--suite memory needs --ckpt (train one with `python train.py`)")
+    if args.suite in (None, data.MEMORY_SUITE) and not args.ckpt:
+        p.error("pass --ckpt (train one with `python train.py`); only a LIBERO or MIKASA --suite runs without (a zero "
+                "policy)")
     if args.trace and not args.ckpt:
         p.error("--trace needs --ckpt: a checkpoint with memory (train one with `python train.py`)")
-    if args.suite not in LIBERO_MAX_STEPS and args.max_steps:
-        p.error(f"--max-steps: a LIBERO setting; {args.suite}'s tasks have their own step limits")
-    args.replan = args.replan or REPLAN[args.suite]
     return args
 
 

@@ -1,20 +1,9 @@
 """
 Host policies: the two ways to plug DRAM into a frozen, pretrained policy (paper Sec. 3.2 "From readout to action",
 Sec. 3.4, appendix "Flexible Integration Patterns"). READ / FUSE / WRITE are dram.py's, identical in both; only the
-wiring differs.
-
-  shared source (--host dit, GR00T-style DiT host)            separate source (--host vla, pi0.5-style host)
-
-  cams --frozen ViT--> patch tokens (+cam emb, +instr)          [instr | cams' patches] --frozen ViT blocks 1..L-->
-        |                                                              | layer l: native k_l, v_l, hidden h_l
-        X_t = X^Q = X^K = X^V   (M = N)                         learned query slots --> DRAM layer 1 .. L (write
-        |                                                              sources from backbone layer l; only the
-   DRAMStack: read S_{t-1} -> fuse -> write, x depth                   query stream evolves) --> fused slots y_l
-        |                                                              |  project to prefix k, v (position -1,
-        Y_t (same tokens, same order)                                  |  not rotated, zero-gated)
-        |                                                              v
-   DiT action head: cross-attn to Y_t  <-> self-attn over         action expert layer l attends to
-   [state, noisy actions], adaLN(time, instr)                     [backbone k_l, v_l | own tokens] + memory prefix
+wiring differs: shared source (--host dit, GR00T-style) writes and reads the frame tokens the DiT head attends to;
+separate source (--host vla, pi0.5-style) writes backbone features and reads into learned query slots that the action
+expert attends to as prefix keys / values. README's "The two integration patterns" draws both (the one diagram).
 
 train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
 
@@ -49,6 +38,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class HostConfig:
+    """A host's architecture. The defaults are train.py's on the embedded suite, the single source of both:
+    make_host(name, HostConfig(vocab=..., action_dim=...)) builds README's host `name`, except that train.py gives the
+    dit host one memory layer there (train.DIT_MEMORY_DEPTH)."""
     host: str = "dit"  # dit | vla
     memory: str = "dram"  # dram | none (the matched memoryless baseline)
     vision: str = "vit_tiny_patch16_224"  # timm model name of the frozen tower
@@ -58,7 +50,7 @@ class HostConfig:
     cameras: tuple = ("agentview_rgb", "eye_in_hand_rgb")
     state_dim: int = 8
     action_dim: int = 7
-    chunk: int = 8  # C, action chunk length
+    chunk: int = 4  # C, action chunk length
     vocab: tuple = ()  # instruction strings seen in training (saved with the checkpoint)
     flow_steps: int = 10  # Euler steps at sampling
     mem_depth: int = 2  # DRAMStack depth (dit) / memory layers for last_hidden (vla)
@@ -69,7 +61,7 @@ class HostConfig:
     d_model: int = 128  # DiT action head width
     head_blocks: int = 4  # alternating cross-attention (even) / self-attention (odd) blocks
     head_heads: int = 4
-    write_source: str = "hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
+    write_source: str = "last_hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
     query_slots: int = 8  # M learned query slots
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
@@ -298,11 +290,8 @@ class DiTBlock(nn.Module):
     def __init__(self, d, d_ctx, n_heads, cross):
         super().__init__()
         self.cross, self.n_heads = cross, n_heads
-        self.norm1 = AdaLN(d)
-        self.q = nn.Linear(d, d)
-        self.kv = nn.Linear(d_ctx if cross else d, 2 * d)
-        self.o = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d)
+        self.norm1, self.q, self.kv = AdaLN(d), nn.Linear(d, d), nn.Linear(d_ctx if cross else d, 2 * d)
+        self.o, self.norm2 = nn.Linear(d, d), nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x, temb, y):  # x [B, 1 + C, d], y [B, n, d_ctx]
@@ -322,8 +311,7 @@ class DiTHead(FlowHead):
     def __init__(self, cfg: HostConfig, d_ctx):
         super().__init__()
         d = cfg.d_model
-        self.state_in = nn.Linear(cfg.state_dim, d)
-        self.action_in = nn.Linear(cfg.action_dim, d)
+        self.state_in, self.action_in = nn.Linear(cfg.state_dim, d), nn.Linear(cfg.action_dim, d)
         self.pos = nn.Parameter(0.02 * torch.randn(cfg.chunk, d))
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
         self.blocks = nn.ModuleList([DiTBlock(d, d_ctx, cfg.head_heads, cross=(i % 2 == 0))
@@ -401,10 +389,7 @@ class ExpertLayer(nn.Module):
         for f in self.kv_adapter or ():  # the identity: a fresh expert reads the native k / v
             nn.init.eye_(f.weight)
             nn.init.zeros_(f.bias)
-        self.norm1 = AdaLN(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.o = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d)
+        self.norm1, self.qkv, self.o, self.norm2 = AdaLN(d), nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         if memory:
             self.pre_k, self.pre_v = nn.Linear(d, d), nn.Linear(d, d)  # readout -> prefix keys / values

@@ -9,6 +9,7 @@ import argparse
 import builtins
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -567,6 +568,8 @@ def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
         torch.manual_seed(0)  # same tau / noise every step: the loss on this fixed draw must go down
         loss, n, _ = host.loss(feats, instr, host.init_state(2), **b)
         (loss / n).backward()
+        # every trained parameter takes part (DDP refuses unused ones), native KV's too
+        assert [n for n, p in host.named_parameters() if p.requires_grad and p.grad is None] == []
         opt.step()
         opt.zero_grad()
         losses.append(loss.item() / n)
@@ -735,6 +738,12 @@ def test_host_errors_name_the_flag_or_key():
 
 # ==== data.py: LIBERO HDF5 schema, validation errors, statistics, feature cache, TBPTT sampler, embedded suite ====
 
+def read_demo_file(path, images=True):
+    """(instruction, list[Demo]), every demo read and validated."""
+    instruction, demos = data.iter_demo_file(path, images)
+    return instruction, list(demos)
+
+
 def make_demo(rng, T, H=8, W=10):
     return {"agentview_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
             "eye_in_hand_rgb": rng.integers(0, 256, (T, H, W, 3), dtype=np.uint8),
@@ -763,7 +772,7 @@ def test_read_libero_schema_as_eval_sees_it(tmp_path):
     p = write_libero(tmp_path / "LIVING_ROOM_SCENE2_pick_up_the_bowl_demo.hdf5", demos, problem_info=False,
                      names=["demo_10", "demo_2", "demo_0", "demo1"])
     with pytest.warns(UserWarning) as warned:  # a skipped non-demo group; an instruction taken from the file name
-        instr, got = data.read_demo_file(p)
+        instr, got = read_demo_file(p)
     assert all(any(k in str(w.message) for w in warned) for k in ("demo1", "problem_info"))
     assert instr == "pick up the bowl" and [d.name for d in got] == ["demo_0", "demo_2", "demo_10"]
     for d, src in zip(got, demos[2::-1]):
@@ -777,7 +786,7 @@ def test_read_libero_schema_as_eval_sees_it(tmp_path):
     with h5py.File(p, "a") as f:  # an instruction stored as a list of words is joined
         f["data"].attrs["problem_info"] = json.dumps({"language_instruction": ["open", "the", "drawer"]})
     with pytest.warns(UserWarning, match="demo1"):
-        instr, no_img = data.read_demo_file(p, images=False)
+        instr, no_img = read_demo_file(p, images=False)
     assert instr == "open the drawer" and no_img[0].images == {} and np.array_equal(no_img[0].state, got[0].state)
     assert no_img[0].frame_hw == got[0].frame_hw == (8, 10)
 
@@ -815,7 +824,7 @@ def test_bad_input_raises(tmp_path, key, value, named):
     """Named by file and key before any frame is encoded: by train.scan (no pixels read) and by the feature cache."""
     p = _corrupt(tmp_path, {key: value})
     never = mock.Mock(side_effect=AssertionError("a frame was encoded"))
-    for reader in (data.read_demo_file, lambda p: train.scan([p]),
+    for reader in (read_demo_file, lambda p: train.scan([p]),
                    lambda p: data.build_feature_cache([p], never, "k", tmp_path / "cache", progress=False)):
         e = pytest.raises(data.DataError, reader, p)
         assert str(p) in str(e.value) and (named or key) in str(e.value)
@@ -825,7 +834,7 @@ def test_scan_checks_frame_size_and_action_width(tmp_path):
     """One demo's cameras smaller: readable, but no frame size; one demo's actions narrower: both named by scan.
     (A file that is not HDF5 or damaged: test_damaged_hdf5_is_named.)"""
     p = _corrupt(tmp_path, {f"{D1}obs/{c}": np.zeros((5, 4, 4, 3), np.uint8) for c in data.CAMERAS})
-    data.read_demo_file(p)
+    read_demo_file(p)
     pytest.raises(data.DataError, train.scan, [p]).match(r"bad_demo.hdf5: data/demo_0.*bad_demo.hdf5: data/demo_1")
     a = write_libero(tmp_path / "a_demo.hdf5", [make_demo(np.random.default_rng(4), 4)])
     b = _corrupt(tmp_path, {D1 + "actions": np.zeros((5, 6))})  # train.scan checks every demo, before encoding
@@ -868,7 +877,7 @@ def test_damaged_hdf5_is_named(tmp_path, capsys, recwarn):  # recwarn: damaged g
         chunk = f["data/demo_1/obs/eye_in_hand_rgb"].id.get_chunk_info(2)
     assert chunk.filter_mask == 0  # lzf applied
     p.write_bytes(good[:chunk.byte_offset] + b"\xff" * chunk.size + good[chunk.byte_offset + chunk.size:])
-    pytest.raises(data.DataError, data.read_demo_file, p).match(re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb"))
+    pytest.raises(data.DataError, read_demo_file, p).match(re.escape(f"{p}: data/demo_1/obs/eye_in_hand_rgb"))
     metadata = 0  # blocks whose zeroing train.scan (no pixels read) reports
     for at in [None] + list(range(0, len(good), 512)):  # None: the corrupt chunk
         if at is not None:
@@ -1081,7 +1090,7 @@ def test_memory_suite_files(tmp_path, monkeypatch):
     assert list(files) == sorted(data.MEMORY_TASKS)
     digests = {"cue_colour": "bfe7a318efc3f9b3", "count_2": "546be8d2654893f9"}  # of the first 3 demos
     for task, f in files.items():
-        instr, demos = data.read_demo_file(f)
+        instr, demos = read_demo_file(f)
         env, ti = data.MemoryEnv(task), list(data.MEMORY_TASKS).index(task)
         K, c0 = env.p.get("k", 1), data.CUE_STEPS  # c0: the first frame without the cue
         assert instr == env.instruction and len(demos) == 9
@@ -1113,15 +1122,15 @@ def test_memory_suite_files(tmp_path, monkeypatch):
 
 # ==== train.py / eval.py: truncated-BPTT training, checkpoints, exact resume, DDP, closed-loop rollouts ========
 
-TINY = ["--episodes", "3", "--image-size", "32", "--d-model", "32", "--head-blocks", "2", "--mem-heads", "2",
-        "--mem-dim", "16", "--batch", "4", "--window", "4", "--chunk", "4", "--eval-episodes", "0",
-        "--warmup", "2", "--flow-steps", "2", "--lr", "3e-3"]
+DIT_TINY = ["--d-model", "32", "--head-blocks", "2"]  # options of the dit host's action head
+TINY = ["--episodes", "3", "--image-size", "32", "--mem-heads", "2", "--mem-dim", "16", "--batch", "4", "--window",
+        "4", "--chunk", "4", "--eval-episodes", "0", "--warmup", "2", "--flow-steps", "2", "--lr", "3e-3"] + DIT_TINY
 
 
 def tiny_train(root, out, *extra):
     data.generate_memory_suite(root / "data", n_episodes=3, progress=False)  # train.py only reads a --data folder
     args = ["--data", str(root / "data"), "--cache-dir", str(root / "cache"), "--out", str(root / out)]
-    return train.main(args + TINY + list(extra))
+    return train.main(args + (TINY[:-len(DIT_TINY)] if "vla" in extra else TINY) + list(extra))
 
 
 @pytest.fixture(scope="module")
@@ -1226,17 +1235,34 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
     (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
+    (["--host", "vla", "--d-model", "32"], "--d-model"), (["--host", "vla", "--head-blocks", "2"], "--head-blocks"),
+    (["--host", "vla", "--mixer"], "--mixer"), (["--host", "vla", "--write-source", "native_kv", "--mem-heads", "2"],
+                                                 "--mem-heads"),
+    (["--host", "vla", "--write-source", "native_kv", "--mem-dim", "8"], "--mem-dim"),
     (["--resume", "--overwrite"], "--overwrite")])
 def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tmp_path, monkeypatch):
-    """A bad value is refused naming the flag, before anything runs, edge values (and vla's unused --d-model) pass."""
+    """A bad value, or a flag the chosen host would ignore, is refused naming the flag before anything runs; edge
+    values pass."""
     monkeypatch.chdir(tmp_path)  # the default --out runs/...: not a run trained in this clone
     assert flag in usage_error(train.get_args, argv, capsys)
     a = train.get_args(["--clip", "inf", "--mem-lr-mult", "0", "--weight-decay", "0", "--warmup", "0", "--seed", "0"])
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
-    assert train.get_args(["--host", "vla", "--d-model", "30"]).d_model == 30
+    assert train.get_args(["--host", "vla", "--write-source", "hidden", "--mem-heads", "2"]).mem_heads == 2
     assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
     assert [train.get_args(["--host", h] + x).steps for h in ("dit", "vla") for x in ([], ["--steps", "7"])] == [
         train.STEPS["dit"], 7, train.STEPS["vla"], 7]  # each host's default, or the flag
+
+
+def test_host_config_defaults_are_what_train_py_trains():
+    """HostConfig's defaults are the hosts README's `python train.py [--host vla]` trains (dit: but its memory depth),
+    so make_host(name, HostConfig(...)) builds them; a LIBERO run differs only in its suite settings."""
+    for host in ("dit", "vla"):
+        cfg = train.host_config(train.get_args(["--host", host], run_folder=False), ("x",), 7)
+        assert cfg == HostConfig(host=host, vocab=("x",), action_dim=7,
+                                 mem_depth=train.DIT_MEMORY_DEPTH if host == "dit" else HostConfig.mem_depth)
+    lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
+    assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
+                             image_size=128, pretrained=True, pos_code=False)
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
@@ -1391,7 +1417,7 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert len(json.loads((tmp_path / "ddp" / "log.json").read_text())["losses"]) == 12
     assert ck["sampler"][0]["lengths_sha"] != ck["sampler"][1]["lengths_sha"]  # the ranks walked disjoint episodes
     demos = [d for f in data.find_demo_files(tmp_path / "data", "memory", generate=False)
-             for d in data.read_demo_file(f, images=False)[1]]
+             for d in read_demo_file(f, images=False)[1]]
     assert sum(s["n_episodes"] for s in ck["sampler"]) == len(demos)  # the two shares cover every episode once
     for k, v in data.compute_stats([d.state for d in demos], [d.actions for d in demos]).items():  # pooled
         np.testing.assert_allclose(np.asarray(ck["stats"][k]), v, rtol=1e-5, atol=1e-6)
@@ -1637,7 +1663,11 @@ def test_train_quick_eval_and_results(trained, tmp_path):
     recs, s = ev.load_log(out / "episodes.jsonl"), json.loads((out / "summary.json").read_text())["summaries"][ck]
     assert sorted((r["task_id"], r["trial"]) for r in recs) == [(t, 0) for t in range(6)]
     assert [t["successes"] for t in s["tasks"]] == [r["success"] for r in sorted(recs, key=lambda r: r["task_id"])]
-    assert (out / "results.md").read_text() == ev.results_table("memory", {ck: s}) + "\n"
+    table = (out / "results.md").read_text()
+    assert table == ev.results_table("memory", {ck: s}) + "\n"
+    assert "Success % per task over 1 episodes each" in table  # what each number is: --eval-episodes 1 per task
+    cells = {r.split(" | ")[0][2:]: float(r.split(" | ")[2][:-2]) for r in table.splitlines()[4:10]}  # task -> policy %
+    assert cells == {t["task"]: 100.0 * t["successes"] / t["episodes"] for t in s["tasks"]}
     c = torch.load(ck, weights_only=True)
     name = next(iter(c["model"]))
     torch.save(dict(c, model=dict(c["model"], **{name: c["model"][name] + 1.0})), ck)  # changed in place
@@ -1737,11 +1767,12 @@ def test_probe_decodes_what_the_states_hold_and_nothing_else():
 
 
 def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsys):
-    """--replan defaults to the suite's protocol; a user's mistake: one line, exit 2."""
-    # openpi: half of LIBERO's 10-action chunk, then replan; the embedded suite: every frame. A given --replan wins.
-    assert {ev.get_args(["--suite", s]).replan for s in ev.LIBERO_MAX_STEPS} == {train.LIBERO_CHUNK // 2} == {5}
-    assert [ev.get_args(a).replan for a in (["--ckpt", "x.pt"], ["--suite", "libero_10", "--replan", "2"])] == [1, 2]
+    """The suite is the checkpoint's unless --suite says otherwise, --replan the suite's protocol; a user's mistake
+    (a --suite that contradicts the checkpoint among them): one line, exit 2."""
     ck, good = trained[1], Path(trained[1]).read_bytes()
+    s = ev.main(["--ckpt", ck, "--tasks", "0", "--trials", "1", "--out", str(tmp_path / "own")])  # no --suite
+    settings = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert settings["suite"] == "memory" and settings["replan"] == 1 and s[ck]["episodes"] == 1
     torch.save({"state_dict": {}}, tmp_path / "other.pt")
     torch.save(dict(torch.load(ck, weights_only=True), suite="libero_10"), tmp_path / "libero.pt")
     c = torch.load(ck, weights_only=True)
@@ -1754,6 +1785,8 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
     cases += [(["--ckpt", str(tmp_path)], str(tmp_path)), (["--ckpt", ck, "--replan", "9"], "--replan 9"),  # chunk 4
               (["--ckpt", ck, "--ckpt", str(tmp_path / "libero.pt")], "--suite libero_10"),
               (["--suite", "libero_10", "--ckpt", ck, "--replan", "2"], "--suite memory"),
+              (["--suite", "libero_10", "--ckpt", ck], "--suite memory"),
+              (["--ckpt", str(tmp_path / "libero.pt"), "--replan", "2", "--tasks", "99"], "of libero_10"),  # its suite
               (["--ckpt", ck, "--out", str(tmp_path)], "episodes.jsonl"), ([], "--ckpt"),  # a log of another run
               (["--ckpt", ck, "--tasks", "6"], "--tasks"), (["--ckpt", ck, "--tasks", "0", "0"], "--tasks"),
               (["--suite", "libero_100"], "--suite"), (["--ckpt", ck, "--max-steps", "3"], "--max-steps"),
@@ -1998,6 +2031,30 @@ def test_bad_bench_arguments_are_argparse_errors(argv, flag, capsys):
     assert flag in usage_error(bench.main, argv, capsys)
 
 
+def test_readme_bench_commands_run_every_part(tmp_path, monkeypatch, capsys):
+    """Each README bench.py command runs end to end, every part, on its code path at toy sizes (a tiny host, 2 rounds
+    of single calls): bench.md holds each part's table and a finite positive headline ratio per row. A --device cuda
+    command on a machine without a GPU is refused in one line (exit status 2)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "QUICK", (1e-3, 2))
+    monkeypatch.setattr(bench, "LATE", 20)  # part 2: the step at frame 20 against frame 1
+    tiny = dict(vision="vit_tiny_patch16_224", image_size=32, d_model=32, head_blocks=2, head_heads=2, mem_heads=2,
+                mem_dk=16, mem_dv=16, flow_steps=2)
+    for size in bench.HOST_SIZES:
+        monkeypatch.setitem(bench.HOST_SIZES, size, tiny)
+    commands = list(readme_commands("bench"))
+    assert len(commands) >= 2
+    for argv in commands:
+        if "cuda" in argv and not torch.cuda.is_available():
+            assert "--device cuda" in usage_error(bench.main, argv, capsys)
+            continue
+        bench.main(argv)
+        md = (tmp_path / argv[argv.index("--out") + 1] / "bench.md").read_text()
+        assert all(f"### Part {k}:" in md for k in bench.PARTS)
+        head = re.search(r"### Headline\n\n(.*?)\n\n", md, re.S).group(1).splitlines()[2:]
+        assert len(head) >= 5 and all(0 < float(row.split(" | ")[1]) < math.inf for row in head), head
+
+
 def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
     """The k-frame baseline is the memoryless host's conditioning plus a learned frame-age embedding: with it zeroed,
     k = 1 gives exactly the host's own tokens for the current frame, and k = 2 both frames' tokens, each in its slot."""
@@ -2009,7 +2066,7 @@ def test_bench_k_frame_context_at_k1_is_the_memoryless_host():
         ctx = bench.KFrameContext(host, k)
         with torch.no_grad():
             ctx.frame_embed.zero_()
-        buf = ctx.init_buffer(2, NP, "cpu")
+        buf = torch.zeros(2, k, NP, feats.shape[-1])  # the ring buffer: the last k frames' tokens
         for t in range(2):
             out = ctx.step(feats[:, t], instr, buf, t)["tokens"]  # [2, k NP + 1, D]
         assert out.shape[1] == k * NP + 1 and torch.equal(out[:, -1], own[:, 1, -1])  # the instruction token, once
@@ -2032,7 +2089,8 @@ def readme_section(heading):
 def readme_commands(script):
     """The argument lists of each `python/torchrun ... SCRIPT.py` command in README's shell blocks and inline code."""
     text = README.read_text()
-    lines = "\n".join(re.findall(r"^```(?:bash)?\n(.*?)^```", text, re.S | re.M)).splitlines()
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)  # (language, code); each fence pair once
+    lines = "\n".join(code for lang, code in blocks if lang in ("", "bash")).splitlines()
     prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     lines += [" ".join(span.split()) for span in re.findall(r"`((?:python|torchrun) [^`]*)`", prose)]
     for line in lines:
@@ -2072,19 +2130,57 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     chunk (eval.py would refuse it otherwise); on LIBERO the default is openpi's: half of the chunk."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "W.safetensors").touch()  # README's offline weights file
-    chunks = {str(Path(a.out) / "ckpt.pt"): a.chunk for a in map(train.get_args, readme_commands("train"))}
-    assert chunks["runs/dit-dram-libero_10/ckpt.pt"] == train.LIBERO_CHUNK
-    assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(chunks)
+    runs = {str(Path(a.out) / "ckpt.pt"): a for a in map(train.get_args, readme_commands("train"))}
+    assert runs["runs/dit-dram-libero_10/ckpt.pt"].chunk == train.LIBERO_CHUNK
+    assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(runs)
     n = 0
     for argv in readme_commands("eval"):
         e = ev.get_args(argv)
-        if e.suite != "memory" and "--replan" not in argv:
-            assert e.replan == train.LIBERO_CHUNK // 2, (argv, e.replan)
         for ck in e.ckpt or []:
-            assert ck in chunks, f"README evaluates {ck}, which no README train command writes"
-            assert 1 <= e.replan <= chunks[ck], (argv, chunks[ck])
+            assert ck in runs, f"README evaluates {ck}, which no README train command writes"
+            a = runs[ck]  # the suite: --suite, which must be the checkpoint's, or the checkpoint's
+            assert e.suite in (None, a.suite) and 1 <= (e.replan or ev.REPLAN[a.suite]) <= a.chunk, (argv, a.chunk)
             n += 1
-    assert n >= 5
+    assert n >= 5 and {ev.REPLAN[s] for s in ev.LIBERO_MAX_STEPS} == {train.LIBERO_CHUNK // 2}
+
+
+def test_readme_train_commands_build_their_host_and_train_a_step(tmp_path, monkeypatch):
+    """Each README train.py command, past its arguments: the host it configures (on a tiny random tower; the rest as
+    the command sets it) with train.py's optimizer takes one train.train_step on a window of its own features."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "W.safetensors").touch()  # README's offline weights file
+    tower = dict(vision="vit_tiny_patch16_224", image_size=32, pretrained=False, weights_file="")
+    seen = set()  # commands that differ only in where and how they run train the same host
+    for argv in readme_commands("train"):
+        a = train.get_args(argv)
+        cfg = dataclasses.replace(train.host_config(a, ("x",), 7), **tower)
+        if (key := repr((cfg, a.lr, a.weight_decay, a.mem_lr_mult, a.clip))) in seen:
+            continue
+        seen.add(key)
+        torch.manual_seed(0)
+        host = make_host(a.host, cfg)
+        cams = {c: torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8) for c in host.cfg.cameras}
+        ones = lambda *shape: torch.ones(*shape, dtype=torch.bool)
+        batch = dict(tokens=host.encode(cams, torch.zeros(4, dtype=torch.long)).unflatten(0, (2, 2)),  # [B, T, ...]
+                     instr=torch.zeros(2, dtype=torch.long), state=torch.randn(2, 2, 8),
+                     actions=torch.randn(2, 2, a.chunk, 7), action_mask=ones(2, 2, a.chunk), frame_valid=ones(2, 2),
+                     reset=ones(2))
+        opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+        before = [p.detach().clone() for p in host.trainable_parameters()]
+        loss, _, _ = train.train_step(host, opt, host.trainable_parameters(), batch, host.init_state(2), a.clip)
+        assert math.isfinite(loss.item()), argv
+        assert any(not torch.equal(p, q) for p, q in zip(before, host.trainable_parameters())), argv
+    assert len(seen) >= 6
+
+
+def test_readme_data_command_writes_a_suite_train_py_reads(tmp_path, capsys):
+    """README's `python data.py --suite memory --out DIR` (3 demos per task) writes every task's demo file, which a
+    train.py --data DIR then only reads (find_demo_files without generating), and lists each task."""
+    (argv,) = readme_commands("data")
+    data.main([str(tmp_path) if x == "DIR" else x for x in argv] + ["--episodes", "3"])
+    files = data.find_demo_files(tmp_path, "memory", generate=False)
+    assert sorted(f.name for f in files) == sorted(f"{t}_demo.hdf5" for t in data.MEMORY_TASKS)
+    assert capsys.readouterr().out.count("3 demos") == len(data.MEMORY_TASKS)
 
 
 def test_readme_equation_table_names_exist():

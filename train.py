@@ -29,21 +29,18 @@ import data
 from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
 from hosts import nonfinite, read_checkpoint, save_checkpoint
 
-# the embedded memory suite on 2 CPU cores in about 10 (dit) and 15 (vla) minutes of training. dit: one memory layer,
-# more steps in that budget; with fewer steps single tasks of some seeds stay far below the others. vla: 1,800 steps
-# reach 84.1 % over seeds 0-4, 2,200 (18 minutes) 86.2 %.
-DEFAULTS = dict(batch=16, window=16, chunk=4, lr=1e-3)
+# Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla)
+# minutes of training on 2 CPU cores (README: what each reaches). MEM_LR_MULT: the memory layers' lr (README: vla's).
 STEPS = dict(dit=2200, vla=1800)
 # MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
 # 10,000 demo frames take fewer steps than the embedded suite's 27,000
 MIKASA = dict(window=25, steps=1500)
-# the vla host's defaults: expert depth = backbone depth 4; two memory layers over the last hidden tokens (the best
-# write source at 1,000 steps; at 2,200 steps one layer reached 58.0 / 84.3 % at seeds 0 / 1, two 92.3 / 82.7 %). Its
-# memory at 2.5x the lr: at 5x the prefix varies with the layout as much as with the count, at 1x it keeps too little
-# layout for the location cue, at 10x training fails.
-VLA_WRITE_SOURCE, VLA_LAYERS = "last_hidden", 4
+WINDOW = 16  # frames per TBPTT window elsewhere
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
+DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre", "prefix_gate")
+DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
+PROJECTED = ("mem_heads", "mem_dim")  # native_kv writes the backbone's own heads, without DRAM's projections
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -60,38 +57,40 @@ def parser():
     p.add_argument("--host", default="dit", choices=["dit", "vla"], help="shared (dit) or separate (vla) source")
     p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
     p.add_argument("--write-source", choices=["native_kv", "hidden", "last_hidden"],
-                   help=f"vla host: what the memory layers write (default: {VLA_WRITE_SOURCE})")
+                   help=f"vla host: what the memory layers write (default: {HostConfig.write_source})")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
-    p.add_argument("--vision", help="timm tower (default: vit_tiny_patch16_224; LIBERO vit_small_patch16_224.dino)")
-    p.add_argument("--image-size", type=int, help="tower input size (default: 64 memory and mikasa / 128 LIBERO)")
+    p.add_argument("--vision", help=f"timm tower (default: {HostConfig.vision}; LIBERO vit_small_patch16_224.dino)")
+    p.add_argument("--image-size", type=int, help=f"tower input size (default: {HostConfig.image_size}; LIBERO 128)")
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
-    p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {DEFAULTS['window']}; mikasa "
-                   f"{MIKASA['window']})")
-    p.add_argument("--chunk", type=int, help=f"action chunk C (default: {DEFAULTS['chunk']}; LIBERO {LIBERO_CHUNK})")
+    p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {WINDOW}; mikasa {MIKASA['window']})")
+    p.add_argument("--chunk", type=int, help=f"action chunk C (default: {HostConfig.chunk}; LIBERO {LIBERO_CHUNK})")
     p.add_argument("--steps", type=int, help=f"training steps (default: {STEPS['dit']} dit, {STEPS['vla']} vla; "
                    f"mikasa {MIKASA['steps']})")
-    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="parallel streams B (per rank)")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak learning rate")
+    p.add_argument("--batch", type=int, default=16, help="parallel streams B (per rank)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
-    p.add_argument("--mem-lr-mult", type=float, help=f"peak lr of the memory layers = this x --lr (default: "
-                   f"{MEM_LR_MULT['dit']:g} dit, {MEM_LR_MULT['vla']:g} vla)")
+    p.add_argument("--mem-lr-mult", type=float, help=f"peak lr of the memory layers (host.memory; the vla host's "
+                   f"query slots and prefix projections train at --lr) = this x --lr (default: {MEM_LR_MULT['dit']:g} "
+                   f"dit, {MEM_LR_MULT['vla']:g} vla)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (inf: none)")
     p.add_argument("--episodes", type=int, help="embedded / mikasa suite: demos per task, generated once into the "
                    f"default --data (default: {data.MEMORY_EPISODES} / {data.MIKASA_EPISODES}, or what the existing "
                    "files hold)")
-    p.add_argument("--mem-depth", type=int, help="memory layers (default: 2; 1 for the dit host on the embedded suite)")
-    p.add_argument("--mem-heads", type=int, default=4, help="memory heads H")
-    p.add_argument("--mem-dim", type=int, default=32, help="d_k = d_v per memory head")
-    p.add_argument("--d-model", type=int, default=128, help="action head width (dit)")
-    p.add_argument("--head-blocks", type=int, default=4, help="DiT blocks (alternating cross / self attention)")
-    p.add_argument("--vla-layers", type=int, help=f"vla host: backbone layers used (default: {VLA_LAYERS})")
+    p.add_argument("--mem-depth", type=int, help=f"memory layers (default: {HostConfig.mem_depth}; "
+                   f"{DIT_MEMORY_DEPTH} for the dit host on the embedded suite)")
+    p.add_argument("--mem-heads", type=int, help=f"memory heads H (default: {HostConfig.mem_heads})")
+    p.add_argument("--mem-dim", type=int, help=f"d_k = d_v per memory head (default: {HostConfig.mem_dk})")
+    p.add_argument("--d-model", type=int, help=f"dit host: action head width (default: {HostConfig.d_model})")
+    p.add_argument("--head-blocks", type=int, help="dit host: DiT blocks, alternating cross / self attention "
+                   f"(default: {HostConfig.head_blocks})")
+    p.add_argument("--vla-layers", type=int, help=f"vla host: backbone layers used (default: {HostConfig.vla_layers})")
     p.add_argument("--pos-code", action=argparse.BooleanOptionalAction, help="vla host: fixed position + camera "
                    "code on the patch tokens (default: on without --pretrained, whose tower embeds position itself)")
     p.add_argument("--key-norm", action=argparse.BooleanOptionalAction, help="vla host: RMS-normalise the keys the "
@@ -102,8 +101,9 @@ def parser():
                    "sources minus their mean over the frame's tokens (default: on)")
     p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix "
                    "in its own softmax behind a zero-initialised gate, not the expert's joint softmax (default: off)")
-    p.add_argument("--flow-steps", type=int, default=10, help="Euler steps when sampling actions")
-    p.add_argument("--mixer", action="store_true", help="intra-frame mixer after each fuse")
+    p.add_argument("--flow-steps", type=int, default=HostConfig.flow_steps, help="Euler steps when sampling actions")
+    p.add_argument("--mixer", action="store_true", default=None, help="dit host: intra-frame mixer after each fuse "
+                   "(default: off)")
     p.add_argument("--out", help="run directory (default: runs/<host>-<memory>-<suite>)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/ckpt.pt")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds a run, replacing it")
@@ -115,7 +115,9 @@ def parser():
     return p
 
 
-def get_args(argv=None):
+def get_args(argv=None, run_folder=True):
+    """argv -> the settings of the run, every default filled in; a bad value is one line naming the flag (exit 2).
+    run_folder=False: not checked against --out (bench.py times train.py's step without training a run)."""
     p = parser()
     a = p.parse_args(argv)
     for k in ("steps", "batch", "window", "chunk", "episodes", "save_every", "mem_depth", "mem_heads", "mem_dim",
@@ -125,7 +127,7 @@ def get_args(argv=None):
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
     mikasa = a.suite in data.MIKASA_SUITES
     a.steps = a.steps or (MIKASA["steps"] if mikasa else STEPS[a.host])
-    a.window = a.window or (MIKASA["window"] if mikasa else DEFAULTS["window"])
+    a.window = a.window or (MIKASA["window"] if mikasa else WINDOW)
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
@@ -142,28 +144,36 @@ def get_args(argv=None):
             p.error(f"--device {a.device}: {e}")
     if a.weights_file and not Path(a.weights_file).is_file():
         p.error(f"--weights-file {a.weights_file}: no such file")
-    # options of the separate-source pattern mean nothing to the shared-source host
-    if a.host == "dit" and (given := [k for k in VLA_ONLY if getattr(a, k) is not None]):
-        p.error(f"--{given[0].replace('_', '-')} is an option of the vla host (--host vla); the dit host's memory "
-                f"writes its frame tokens")
-    a.write_source, a.vla_layers = a.write_source or VLA_WRITE_SOURCE, a.vla_layers or VLA_LAYERS
-    if a.host == "vla" and a.mem_depth is not None and a.write_source != "last_hidden":  # aligned: one per layer
+    # a flag that means nothing to the host it is given for is refused, not ignored
+    why = (dict.fromkeys(VLA_ONLY, "the dit host, whose memory writes its frame tokens (vla host: --host vla)")
+           if a.host == "dit" else dict.fromkeys(DIT_ONLY, "the vla host, whose action expert has its backbone's "
+                                                 "width and depth (--vla-layers)"))
+    why |= dict.fromkeys(PROJECTED if a.write_source == "native_kv" else (), "--write-source native_kv, whose memory "
+                         "writes the backbone's own heads (their number and width)")
+    if given := [k for k in why if getattr(a, k) is not None]:
+        p.error(f"--{given[0].replace('_', '-')} is not an option of {why[given[0]]}")
+    if a.host == "vla" and a.mem_depth is not None and a.write_source not in (None, "last_hidden"):  # one per layer
         p.error(f"--mem-depth applies to --write-source last_hidden; with {a.write_source} the vla host has one memory "
                 f"layer per backbone layer (--vla-layers)")
+    lib, c = not (a.suite == data.MEMORY_SUITE or mikasa), HostConfig  # mikasa: the embedded suite's CPU recipe
+    a.write_source, a.vla_layers = a.write_source or c.write_source, a.vla_layers or c.vla_layers
     a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
-    a.write_centre = a.write_centre is not False
+    a.write_centre, a.mixer = a.write_centre is not False, bool(a.mixer)
+    a.mem_heads, a.mem_dim = a.mem_heads or c.mem_heads, a.mem_dim or c.mem_dk
+    a.d_model, a.head_blocks = a.d_model or c.d_model, a.head_blocks or c.head_blocks
+    a.chunk = a.chunk or (LIBERO_CHUNK if lib else c.chunk)
+    a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else c.vision)
+    a.image_size = a.image_size or (128 if lib else c.image_size)
+    a.pretrained = lib if a.pretrained is None else a.pretrained
+    a.mem_depth = a.mem_depth or (c.mem_depth if lib or a.host == "vla" else DIT_MEMORY_DEPTH)
+    a.pos_code = not a.pretrained if a.pos_code is None else a.pos_code
     try:  # the host configuration's own checks, before any data is generated or encoded
-        HostConfig(host=a.host, memory=a.memory, write_source=a.write_source, d_model=a.d_model)
+        host_config(a, vocab=(), action_dim=1)
     except ConfigError as e:
         p.error(str(e))
-    lib = not (a.suite == data.MEMORY_SUITE or mikasa)  # LIBERO; mikasa: the embedded suite's CPU-sized recipe
-    a.chunk = a.chunk or (LIBERO_CHUNK if lib else DEFAULTS["chunk"])
-    a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else "vit_tiny_patch16_224")
-    a.image_size = a.image_size or (128 if lib else 64)
-    a.pretrained = lib if a.pretrained is None else a.pretrained
-    a.mem_depth = a.mem_depth or (2 if lib or a.host == "vla" else 1)
-    a.pos_code = not a.pretrained if a.pos_code is None else a.pos_code
     a.out = a.out or f"runs/{a.host}-{a.memory}-{a.suite}"
+    if not run_folder:
+        return a
     if Path(a.out).exists() and not Path(a.out).is_dir():
         p.error(f"--out {a.out} is a file, not a folder")
     if a.resume and a.overwrite:
@@ -172,6 +182,17 @@ def get_args(argv=None):
         p.error(f"--out {a.out} holds a run (ckpt.pt): continue it with --resume, train into another --out, or "
                 f"replace it with --overwrite")
     return a
+
+
+def host_config(a, vocab, action_dim):
+    """The host a run trains: get_args' settings, the data's instructions and action width."""
+    return HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
+                      weights_file=a.weights_file, image_size=a.image_size, action_dim=action_dim, chunk=a.chunk,
+                      vocab=vocab, write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
+                      mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
+                      head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps, pos_code=a.pos_code,
+                      key_norm=a.key_norm, kv_adapter=a.kv_adapter, write_centre=a.write_centre,
+                      prefix_gate=a.prefix_gate)
 
 
 RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
@@ -244,7 +265,8 @@ def train_step(host, opt, params, batch, state, clip, world=1):
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult):
     """AdamW (betas 0.9, 0.95) in up to four groups (empty ones left out): weight decay on weight matrices only; the
-    memory's parameters at `lr_mult` = mem_lr_mult x the scheduled lr, the rest at 1 x."""
+    memory layers' parameters (host.memory) at `lr_mult` = mem_lr_mult x the scheduled lr, the rest at 1 x: the
+    vla host's query slots and prefix projections too, with which its README numbers were measured."""
     params = host.trainable_parameters()
     mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
     groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
@@ -362,13 +384,7 @@ def run(argv=None):
         files = data.find_demo_files(a.data, a.suite, generate=False)
     instructions, Da, frame_hw = scan(files)
     vocab = sorted(set(instructions.values()))  # one embedding per distinct instruction (tasks may share one)
-    cfg = HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
-                     weights_file=a.weights_file, image_size=a.image_size, action_dim=Da, chunk=a.chunk,
-                     vocab=tuple(vocab), write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
-                     mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
-                     head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps,
-                     pos_code=a.pos_code, key_norm=a.key_norm, kv_adapter=a.kv_adapter,
-                     write_centre=a.write_centre, prefix_gate=a.prefix_gate)
+    cfg = host_config(a, tuple(vocab), Da)
     if ck is not None:  # the data too must be the saved run's (instructions, action dimension)
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
         if ck["instructions"] != instructions:
