@@ -76,7 +76,8 @@ def test_normal_equation_float64(N):
     S, K, V, w, gamma = rand_frame(2, 3, N=N, dk=8, dv=5, seed=N)
     repeated = torch.cat([K[..., :N // 2, :], K[..., :N - N // 2, :]], -2)  # the second half repeats the first
     g = torch.Generator().manual_seed(N)
-    rank2 = F.normalize(torch.randn(2, 3, N, 2, dtype=f64, generator=g) @ torch.randn(2, 8, dtype=f64, generator=g), -1)
+    rank2 = torch.randn(2, 3, N, 2, dtype=f64, generator=g) @ torch.randn(2, 8, dtype=f64, generator=g)  # [2, 3, N, 8]
+    rank2 = F.normalize(rank2, dim=-1)  # unit rows (a positional -1 would be the norm's order p, not the dim)
     for keys in (K, repeated, rank2):
         S_new = joint_write(S, keys, V, w, gamma)
         scale = 1 + (keys.mT @ (w[..., None] * V)).abs().max().item()  # the size of the right-hand side
