@@ -33,7 +33,8 @@ STATE_KEYS = ("ee_states", "gripper_states")  # [6] + [2] = the 8-d policy state
 DEMO_KEYS = {"actions": (None, "T Da"), "obs/ee_states": (None, "T 6"), "obs/gripper_states": (None, "T 2"),
              **{f"obs/{c}": (np.uint8, "T H W 3") for c in CAMERAS}}
 MEMORY_SUITE, MIKASA_SUITE, MIKASA_LONG = "memory", "mikasa", "mikasa_long"
-SUITES = (MEMORY_SUITE, MIKASA_SUITE, MIKASA_LONG, "libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+SUITES = (MEMORY_SUITE, MIKASA_SUITE, MIKASA_LONG, "libero_spatial", "libero_object", "libero_goal", "libero_10",
+          "libero_90")
 DEFAULT_DATA_ROOT, DEFAULT_CACHE_DIR = "data", "data_cache"
 
 
@@ -869,7 +870,8 @@ def parser():
                     "existing files hold)")
     ap.add_argument("--img-size", type=int, help="memory suite: image size (default: 64, or what existing files hold)")
     ap.add_argument("--seed", type=int, default=0, help="memory suite: layout and noise seed (default: 0)")
-    ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa suites: these tasks only (default: all)")
+    ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa suites: these tasks only "
+                    "(default: all)")
     ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
                     "off)")
     return ap

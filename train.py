@@ -68,7 +68,8 @@ def parser():
     p.add_argument("--pretrained", action=argparse.BooleanOptionalAction,
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
-    p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {WINDOW}; mikasa {MIKASA['window']})")
+    p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {WINDOW}; mikasa "
+                   f"{MIKASA['window']})")
     p.add_argument("--chunk", type=int, help=f"action chunk C (default: {HostConfig.chunk}; LIBERO {LIBERO_CHUNK})")
     p.add_argument("--steps", type=int, help=f"training steps (default: {STEPS['dit']} dit, {STEPS['vla']} vla; "
                    f"mikasa {MIKASA['steps']})")
