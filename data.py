@@ -1,9 +1,11 @@
 """
 Data for DRAM post-training (paper Sec. 3.4): the LIBERO demo reader, normalisation statistics, the frozen-feature
-cache, the streaming TBPTT sampler and the embedded memory suite (env, scripted expert, generator).
+cache, the streaming TBPTT sampler, the embedded memory suite (env, scripted expert, generator) and MIKASA-Robo's VLA
+tasks (the benchmark's simulator, a privileged scripted expert, generator).
 
   python data.py --suite memory                      # write ./data/memory/<task>_demo.hdf5 (LIBERO layout)
   python data.py --suite memory --out DIR            # the same into DIR (train.py --data DIR only reads it)
+  python data.py --suite mikasa                      # write ./data/mikasa/<task>_demo.hdf5 (MIKASA-Robo expert demos)
   python data.py --suite libero_10 --data-root DIR   # validate a LIBERO suite and print a summary
 
 Raw observations use LIBERO's demo `obs/` keys (as do the embedded env and eval.py's LIBERO wrapper): agentview_rgb,

@@ -1,9 +1,11 @@
 """
-Closed-loop evaluation (paper Sec. 4): the embedded memory suite against its memoryless ceilings, LIBERO rollouts with
-the openpi protocol, and the memory reset-interval ablation (fig:reset).
+Closed-loop evaluation (paper Sec. 4): the embedded memory suite against its memoryless ceilings, MIKASA-Robo's VLA
+tasks by the benchmark's canonical protocol, LIBERO rollouts with the openpi protocol, and the memory reset-interval
+ablation (fig:reset).
 
   python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --ckpt runs/dit-none-memory/ckpt.pt   # embedded suite
   python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --reset-every 8                         # reset ablation
+  python eval.py --ckpt runs/dit-dram-mikasa/ckpt.pt --ckpt runs/dit-none-mikasa/ckpt.pt   # MIKASA-Robo
   python eval.py --suite libero_10 --ckpt runs/dit-dram-libero_10/ckpt.pt --num-envs 4
   python eval.py --suite libero_10 --tasks 0 --trials 1 --max-steps 20        # simulator smoke test, zero policy
 

@@ -3,6 +3,7 @@ Post-train DRAM on a frozen host policy with truncated BPTT and flow matching (p
 
   python train.py                                          # DiT host + DRAM on the embedded memory suite (CPU, minutes)
   python train.py --memory none                            # the matched memoryless baseline
+  python train.py --suite mikasa                           # MIKASA-Robo's VLA tasks (expert demos made on first use)
   python train.py --host dit --suite libero_10 --data DIR  # LIBERO (official HDF5 demos)
   python train.py --host vla --write-source native_kv      # pi0.5-style host, separate-source memory
   torchrun --nproc_per_node 2 train.py ...                 # DDP: each rank its own streams
