@@ -217,6 +217,9 @@ class MikasaSuiteEnv:
         target = np.asarray(self.env.info["oracle_info"].cpu()).reshape(-1)  # [num_envs = 1] or [1, 2] -> flat
         return dict(target=" ".join(f"{x:g}" for x in target), since=self.env.t)
 
+    def close(self):
+        self.env.close()
+
 
 # ---- Environment slots: n environments stepped together, in this process or one spawn worker each --------------------
 class Slot:
