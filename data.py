@@ -692,11 +692,11 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
 # positions; success = the tool centre point within 5 cm of the target and the arm still. During the cue and the delay
 # the benchmark's wrapper executes zero actions. Observations: the base and hand cameras (128 px), proprio (tcp xyz,
 # rpy, gripper width), the instruction; oracle_info and task_cue are privileged (the expert's only).
-# MEMORYLESS_CEILING: the candidates reappear at shuffled positions and the arm cannot move before they do, so nothing
-# a policy sees after the cue tells the target: a memoryless policy that commits to one candidate succeeds with 1/K
-# (K candidates), re-planning every step (an open-loop chunk started during the cue would carry it over). Success at
-# any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its imitators, stop
-# at one.
+# Memoryless ceiling (CEILINGS): the candidates reappear at shuffled positions and the arm cannot move before they
+# do, so nothing a policy sees after the cue tells the target: a memoryless policy that commits to one candidate
+# succeeds with 1/K (K candidates), re-planning every step (an open-loop chunk started during the cue would carry it
+# over). Success at any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its
+# imitators, stop at one.
 MIKASA_START_SEED = 4242424242  # canonical: episode k of a task is env.reset(seed=MIKASA_START_SEED + k), k < 50
 MIKASA_EPISODES = 100  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
 MIKASA_VERSION = 1  # bump when the expert or the observation mapping change (older files are then refused)
