@@ -826,7 +826,8 @@ def parser():
                    "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_<suite>_L<reset-every>)")
     p.add_argument("--trace", action="store_true", help="also write, per episode and frame, each memory layer's and "
                    "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of that "
-                   "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without")
+                   "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without "
+                   "(default: off)")
     return p
 
 
