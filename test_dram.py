@@ -1635,7 +1635,7 @@ class TracedSlots(ev.EnvSlots):
 
 def test_an_episode_depends_only_on_its_task_trial_and_seed(trained, tmp_path):
     """Killed and resumed, 1 or 4 environments (workers: test_embedded_suite_in_workers), a --tasks subset: each
-    episode ends as in one uninterrupted run, actions equal up to float rounding (batch size moves it ~1e-7 on CPU)."""
+    episode ends as in one uninterrupted run, actions equal up to float rounding (the batch size moves it on CPU)."""
     ck, tasks = trained[1], ev.suite_tasks("memory", [0, 2, 4])
     make = functools.partial(ev.MemorySuiteEnv, seed=7, image_size=ev.CheckpointPolicy(ck).frame_size[0])
     def run(out, n=16, tasks=tasks, policy=None):
@@ -1654,7 +1654,9 @@ def test_an_episode_depends_only_on_its_task_trial_and_seed(trained, tmp_path):
     runs = [run("resumed"), run("one", n=1), run("four", n=4), run("subset", tasks=tasks[:0:-1])]  # --tasks 4 2
     for recs, tr in runs:
         assert recs == {k: full[k] for k in recs} and len(recs) == (4 if recs.keys() < full.keys() else 6)
-        assert tr and all(np.abs(tr[k] - trace[k]).max() < 1e-4 for k in tr), (tr, trace)
+        # relative to the summed actions (~50 here): 2 threads' batch-dependent reductions, carried through the
+        # recurrent state, move a sum by ~4e-5 of its size; another noise stream would move it by O(1)
+        assert tr and all(np.abs(tr[k] - trace[k]).max() < 1e-4 * (1 + np.abs(trace[k]).max()) for k in tr), (tr, trace)
 
 
 def test_train_quick_eval_and_results(trained, tmp_path):
