@@ -790,19 +790,18 @@ class MikasaEnv:
 
 def rollout_mikasa_expert(env, seed, noise=MIKASA_NOISE):
     """One expert episode run to the step limit (DART: executes action + noise, records the clean action); the first
-    success does not end it, so the demos show the arm staying still. -> dict of stacked raw obs, actions, success."""
+    success does not end it, so the demos show the arm staying still. -> dict of stacked raw obs, actions, success
+    (at any step: env.success is kept once reached)."""
     rng = np.random.default_rng([int(seed), 3])
-    obs, frames, acts, ok = env.reset(seed), [], [], False
+    obs, frames, acts = env.reset(seed), [], []
     for _ in range(env.max_steps):
         a = env.expert_action()  # [7]
         frames.append(obs)
         acts.append(a)
         moving = np.any(a[:3] != 0)  # noise only when the arm may move
         obs, _, _ = env.step(a + np.concatenate([noise * moving * rng.standard_normal(3), np.zeros(4)]))
-        ok = ok or env.success
-        env.success = False  # keep stepping: ends at the step limit only
     ep = {k: np.stack([f[k] for f in frames]) for k in CAMERAS + STATE_KEYS}
-    return dict(ep, actions=np.stack(acts).astype(np.float32), success=ok)
+    return dict(ep, actions=np.stack(acts).astype(np.float32), success=env.success)
 
 
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,

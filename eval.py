@@ -202,14 +202,22 @@ class MikasaSuiteEnv:
 
     def step(self, action):
         obs, success, done = self.env.step(action)
-        u = self.env.env.unwrapped  # the evaluator's privileged view: every candidate's position
+        info = dict(memory_type=self.env.memory_type)
+        if done:  # the env also ends at its step limit: the last step's info is the episode's
+            info["outcome"] = self.outcome(success)
+        return obs, success, done, info
+
+    def outcome(self, success):
+        """How the episode ended, from the evaluator's privileged view of every candidate's position."""
+        if success:
+            return "success"
+        u = self.env.env.unwrapped
         tcp = u.agent.tcp.pose.p[0].cpu().numpy()  # [3]
-        to_target = float(np.linalg.norm(self.env.info["obj_to_goal_pos"][0].cpu().numpy()))
-        others = [float(np.linalg.norm(a.pose.p[0].cpu().numpy() - tcp))
+        if np.linalg.norm(self.env.info["obj_to_goal_pos"][0].cpu().numpy()) <= 0.08:
+            return "near_target"
+        others = [np.linalg.norm(a.pose.p[0].cpu().numpy() - tcp)
                   for a in (getattr(u, "cubes", None) or u.shape_actors).values()]  # the target's among them
-        outcome = ("success" if success else "near_target" if to_target <= 0.08 else
-                   "wrong_candidate" if min(others) <= 0.05 else "elsewhere")
-        return obs, success, done, dict(outcome=outcome, memory_type=self.env.memory_type)
+        return "wrong_candidate" if min(others) <= 0.05 else "elsewhere"
 
     def hidden(self):
         """--trace only: the target that the privileged oracle_info names (a candidate's index, or shape and colour);

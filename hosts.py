@@ -3,7 +3,7 @@ Host policies: the two ways to plug DRAM into a frozen, pretrained policy (paper
 Sec. 3.4, appendix "Flexible Integration Patterns"). READ / FUSE / WRITE are dram.py's, identical in both; only the
 wiring differs: shared source (--host dit, GR00T-style) writes and reads the frame tokens the DiT head attends to;
 separate source (--host vla, pi0.5-style) writes backbone features and reads into learned query slots that the action
-expert attends to as prefix keys / values. README's "The two integration patterns" draws both (the one diagram).
+expert attends to as prefix keys / values.
 
 train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
 
@@ -39,8 +39,8 @@ class ConfigError(ValueError):
 @dataclass
 class HostConfig:
     """A host's architecture. The defaults are train.py's on the embedded suite, the single source of both:
-    make_host(name, HostConfig(vocab=..., action_dim=...)) builds README's host `name`, except that train.py gives the
-    dit host one memory layer there (train.DIT_MEMORY_DEPTH)."""
+    make_host(name, HostConfig(vocab=..., action_dim=...)) builds the host `name` that train.py trains there, except
+    that train.py gives the dit host one memory layer (train.DIT_MEMORY_DEPTH)."""
     host: str = "dit"  # dit | vla
     memory: str = "dram"  # dram | none (the matched memoryless baseline)
     vision: str = "vit_tiny_patch16_224"  # timm model name of the frozen tower

@@ -31,7 +31,7 @@ from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
 from hosts import nonfinite, read_checkpoint, save_checkpoint
 
 # Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla)
-# minutes of training on 2 CPU cores (README: what each reaches). MEM_LR_MULT: the memory layers' lr (README: vla's).
+# minutes of training on 2 CPU cores. MEM_LR_MULT: the memory layers' lr, relative to --lr.
 STEPS = dict(dit=2200, vla=1800)
 # MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
 # 10,000 demo frames take fewer steps than the embedded suite's 27,000
@@ -267,8 +267,8 @@ def train_step(host, opt, params, batch, state, clip, world=1):
 
 def make_optimizer(host, lr, weight_decay, mem_lr_mult):
     """AdamW (betas 0.9, 0.95) in up to four groups (empty ones left out): weight decay on weight matrices only; the
-    memory layers' parameters (host.memory) at `lr_mult` = mem_lr_mult x the scheduled lr, the rest at 1 x: the
-    vla host's query slots and prefix projections too, with which its README numbers were measured."""
+    memory layers' parameters (host.memory) at `lr_mult` = mem_lr_mult x the scheduled lr, the rest at 1 x, the vla
+    host's query slots and prefix projections included."""
     params = host.trainable_parameters()
     mem = set() if host.memory is None else {id(p) for p in host.memory.parameters()}
     groups = [dict(params=[p for p in params if (id(p) in mem) == is_mem and (p.dim() >= 2) == is_matrix],
