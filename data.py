@@ -698,8 +698,13 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
 # over). Success at any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its
 # imitators, stop at one.
 MIKASA_START_SEED = 4242424242  # canonical: episode k of a task is env.reset(seed=MIKASA_START_SEED + k), k < 50
-MIKASA_EPISODES = 100  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
-MIKASA_VERSION = 1  # bump when the expert or the observation mapping change (older files are then refused)
+MIKASA_EPISODES = 150  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
+# Each demo layout (env seed) is shown with this many different targets. The env draws layout and target from one
+# seed, and the layout (cube jitter, the arm's initial pose in proprio) tells the episodes apart: with one target per
+# layout a policy learns layout -> target by heart instead of reading the cue, and fails on new layouts. Counter-
+# balanced, the frames before the cue cannot tell the target (as in the embedded suite, each layout with every cue).
+MIKASA_TARGETS_PER_LAYOUT = 3
+MIKASA_VERSION = 2  # bump when the demos, the expert or the observation mapping change (older files are refused)
 MIKASA_SUITES = {  # suite: {name: (ManiSkill env id, MIKASA memory type, candidates K)}
     MIKASA_SUITE: {  # 25-step episodes
         "RememberColor3": ("RememberColor3-VLA-v0", "object", 3),
@@ -748,9 +753,24 @@ class MikasaEnv:
             self.env = wrap(env, include_overlays=False)
         except Exception as e:
             raise DataError(f"MIKASA-Robo's {env_id} failed to start ({type(e).__name__}: {e}): {MIKASA_FIX}") from e
-        self.max_steps, self.instruction = int(self.env.max_episode_steps), None
+        self.max_steps, self.instruction, self.target = int(self.env.max_episode_steps), None, None
+        u = self.env.unwrapped
+        initialize_episode = u._initialize_episode
 
-    def reset(self, seed):
+        def with_target(env_idx, options):  # the env's target is its one _batched_episode_rng.choice(candidates)
+            rng = u._batched_episode_rng
+            if self.target is not None:
+                u._batched_episode_rng = _ForcedChoice(rng, self.target)
+            try:
+                initialize_episode(env_idx, options)
+            finally:
+                u._batched_episode_rng = rng
+        u._initialize_episode = with_target
+
+    def reset(self, seed, target=None):
+        """seed: the env seed (layout and target); target: a candidate index that replaces the seed's target and
+        nothing else (demos only; the evaluation keeps the seed's own)."""
+        self.target = target
         obs, self.info = self.env.reset(seed=int(seed))
         self.instruction, self.t, self.success = self.info["language_instruction"], 0, False
         return self._obs(obs)
@@ -788,12 +808,30 @@ class MikasaEnv:
         self.env.close()
 
 
-def rollout_mikasa_expert(env, seed, noise=MIKASA_NOISE):
+class _ForcedChoice:
+    """The env's episode rng, except that choice(candidates) answers candidates[target]. The real draw is still made,
+    so every later draw of the episode (the cube jitter, the arm's initial pose) is the seed's own."""
+
+    def __init__(self, rng, target):
+        self.rng, self.target, self.calls = rng, target, 0
+
+    def choice(self, candidates):
+        self.calls += 1
+        if self.calls > 1:  # the envs draw their target once; a second draw would be something else
+            raise RuntimeError("a MIKASA env drew twice from _batched_episode_rng.choice; its target cannot be set")
+        self.rng.choice(candidates)
+        return np.array([list(candidates)[self.target]])
+
+    def __getattr__(self, name):
+        return getattr(self.rng, name)
+
+
+def rollout_mikasa_expert(env, seed, target=None, noise=MIKASA_NOISE):
     """One expert episode run to the step limit (DART: executes action + noise, records the clean action); the first
     success does not end it, so the demos show the arm staying still. -> dict of stacked raw obs, actions, success
     (at any step: env.success is kept once reached)."""
-    rng = np.random.default_rng([int(seed), 3])
-    obs, frames, acts = env.reset(seed), [], []
+    rng = np.random.default_rng([int(seed), -1 if target is None else int(target), 3])
+    obs, frames, acts = env.reset(seed, target), [], []
     for _ in range(env.max_steps):
         a = env.expert_action()  # [7]
         frames.append(obs)
@@ -807,7 +845,8 @@ def rollout_mikasa_expert(env, seed, noise=MIKASA_NOISE):
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
                           write=True, suite=MIKASA_SUITE):
     """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
-    seeds 0, 1, ... (failures are skipped and counted: data.attrs expert_success). Same rules for existing files as
+    seeds 0, 1, ..., each seed's layout with MIKASA_TARGETS_PER_LAYOUT different targets (failures are skipped and
+    counted: data.attrs expert_success). Same rules for existing files as
     generate_memory_suite."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
@@ -842,23 +881,28 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
 
 
 def _mikasa_task_demos(task, path, n, progress=True, position=0):
-    """One task's demos into `path`: expert episodes at env seeds 0, 1, ... until n succeeded."""
+    """One task's demos into `path`: expert episodes at env seeds 0, 1, ..., each with MIKASA_TARGETS_PER_LAYOUT
+    different targets, until n succeeded."""
     os.environ.setdefault("LP_NUM_THREADS", "1")  # lavapipe's rasteriser threads: one per process, one per core
-    env, eps, seed = MikasaEnv(task), [], 0
+    env, eps, seed, attempts, k = MikasaEnv(task), [], 0, 0, MIKASA_TASKS[task][2]
     with tqdm(total=n, desc=f"mikasa/{task}", disable=not progress, position=position) as bar:
         while len(eps) < n:
             if seed >= MIKASA_START_SEED:
                 raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
-            ep = rollout_mikasa_expert(env, seed)
+            for target in np.random.default_rng([seed, 5]).permutation(k)[:MIKASA_TARGETS_PER_LAYOUT]:
+                if len(eps) == n:
+                    break
+                ep = rollout_mikasa_expert(env, seed, int(target))
+                attempts += 1
+                if ep["success"]:
+                    eps.append(ep)
+                    bar.update(1)
+                bar.set_postfix(expert_success=f"{len(eps) / attempts:.2f}")
             seed += 1
-            if ep["success"]:
-                eps.append(ep)
-                bar.update(1)
-            bar.set_postfix(expert_success=f"{len(eps) / seed:.2f}")
     write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
                     attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": 1 / MIKASA_TASKS[task][2],
-                           "memory_type": env.memory_type, "max_steps": env.max_steps, "expert_attempts": seed,
-                           "expert_success": len(eps) / seed})
+                           "memory_type": env.memory_type, "max_steps": env.max_steps, "expert_attempts": attempts,
+                           "expert_success": len(eps) / attempts, "targets_per_layout": MIKASA_TARGETS_PER_LAYOUT})
     env.close()
 
 

@@ -1951,7 +1951,7 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
     data.main(["--suite", "mikasa", "--tasks", "RememberColor3", "--episodes", "2", "--out", str(tmp_path)])
     path = tmp_path / "mikasa" / "RememberColor3_demo.hdf5"
     with h5py.File(path) as f:
-        assert f["data"].attrs["expert_attempts"] == 2  # both seeds solved, none skipped
+        assert f["data"].attrs["expert_attempts"] == 2  # seed 0 with two targets, none skipped
     instruction, demos = data.iter_demo_file(path)
     demos = list(demos)
     assert len(demos) == 2
@@ -1960,6 +1960,10 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
         top, hand = d.images["agentview_rgb"], d.images["eye_in_hand_rgb"]  # [T, 128, 128, 3] each
         assert top.std() > 10 and hand.std() > 10 and np.abs(top.astype(int) - hand).mean() > 10  # two views
         np.testing.assert_allclose(d.state[0, 6] - d.state[0, 7], 0.08, atol=0.005)  # fingers open 8 cm at first
+    # counterbalanced: both demos are env seed 0's layout (the same arm pose, so the same proprio, before the
+    # reveal) with different targets (so a different cue frame)
+    np.testing.assert_array_equal(demos[0].state[0], demos[1].state[0])
+    assert np.abs(demos[0].images["agentview_rgb"][0].astype(int) - demos[1].images["agentview_rgb"][0]).sum() > 0
     ck = train.main(["--suite", "mikasa", "--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"),
                      "--out", str(tmp_path / "run"), "--steps", "2"] + TINY[2:])
     made, seeds = [], []
@@ -2006,8 +2010,21 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
 
     slots = ev.EnvSlots(functools.partial(Tap, seed=7), 1)
     rec, = ev.run_episodes(slots, Expert(), [(0, 3)], {0: instruction})
-    slots.close()
     assert seeds[-1] == 4242424245 and rec["success"] and rec["steps"] < 25 and rec["outcome"] == "success"
+    env, layouts = made[-1].env, []
+    u = env.env.unwrapped
+
+    def layout():  # [3 cubes x xyz + 9 joints]: where the cubes reappear, where the arm starts
+        return np.concatenate([p[0].numpy() for p in u.initial_poses.values()] + [u.agent.robot.get_qpos()[0].numpy()])
+
+    for target in range(3):  # a demo's forced target changes the target and nothing else of the seed's episode
+        env.reset(5, target)
+        assert int(u.oracle_info[0]) == target
+        layouts.append(layout())
+    env.reset(5)  # the seed's own target
+    layouts.append(layout())
+    assert all(np.array_equal(layouts[0], x) for x in layouts[1:])
+    slots.close()
 
 
 # ==== bench.py: its baselines compute what they are compared with; its arguments ===============================
