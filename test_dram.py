@@ -614,8 +614,8 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
     feats, instr, b = random_window(host)
     L = host.cfg.vla_layers
     ctx, _ = host.context(feats, instr, host.init_state(2))
-    last = feats.clone().view(2, 3, L, 3, -1, feats.shape[-1])  # [B, T, L, 3, n, D]
-    last[:, 1, L - 1] += torch.randn_like(last[:, 1, L - 1])  # frame 1's last backbone layer only
+    last = feats.clone().view(2, 3, L + 1, -1, feats.shape[-1])  # [B, T, L + 1, n, D]: h_0 .. h_L
+    last[:, 1, L] += torch.randn_like(last[:, 1, L])  # frame 1's last backbone layer's output only
     p, p2 = ctx["prefix"], host.context(last.view_as(feats), instr, host.init_state(2))[0]["prefix"]
     assert torch.equal(p2[:, :2], p[:, :2]) and torch.equal(p2[:, 2, 0], p[:, 2, 0])
     assert (p2[:, 2, L - 1] - p[:, 2, L - 1]).abs().max() > 1e-4
@@ -629,14 +629,20 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
 @pytest.mark.parametrize("ws", ["native_kv", "hidden", "last_hidden"])
 def test_vla_memory_writes_its_sources_centred_over_each_frame(ws):
     """A vector shared by all tokens of a frame (most of a random tower's hidden-token power) reaches neither the
-    memory state nor the prefix; without write_centre it reaches both."""
+    memory state nor the prefix; without write_centre it reaches both. native_kv: the shared vector is a shift of the
+    key / value projection's bias (a shift of h_l would not pass norm1 as one)."""
     for centre in (True, False):
         host = perturb(tiny_host("vla", ws, write_centre=centre))
         feats, instr, _ = random_window(host)
         B, T, L = 2, 3, host.cfg.vla_layers
-        shift = 3.0 * torch.randn(B, T, L, 3, 1, feats.shape[-1])  # one vector per frame, layer and source
-        moved = (feats.view(B, T, L, 3, -1, feats.shape[-1]) + shift).view_as(feats)
-        (ctx, s), (ctx2, s2) = (host.context(f, instr, host.init_state(B)) for f in (feats, moved))
+        shift = 3.0 * torch.randn(B, T, L + 1, 1, feats.shape[-1])  # one vector per frame and hidden state
+        moved = (feats.view(B, T, L + 1, -1, feats.shape[-1]) + shift).view_as(feats)
+        (ctx, s) = host.context(feats, instr, host.init_state(B))
+        if ws == "native_kv":
+            moved = feats
+            for blk in host.tower.model.blocks:
+                blk.attn.qkv.bias.data[host.D:] += 3.0 * torch.randn(2 * host.D)
+        ctx2, s2 = host.context(moved, instr, host.init_state(B))
         close = torch.allclose(ctx2["prefix"], ctx["prefix"], atol=1e-4) and torch.allclose(s2, s, atol=1e-4)
         assert close == centre
 
@@ -660,7 +666,7 @@ def test_dit_head_conditions_on_the_instruction():
 
 
 def test_vla_encode_runs_the_backbone_blocks():
-    """vla features: [text | patches] -> norm_pre -> blocks 1..L, native k / v and hidden per layer, by hand."""
+    """vla features: [text | patches] -> norm_pre -> blocks 1..L, the hidden states h_0 .. h_L, by hand."""
     host = tiny_host("vla", "native_kv", vocab=("place it", "x", "pick it"))  # any vocabulary order
     vit, D, L = host.tower.model, host.D, host.cfg.vla_layers
     vit.norm_pre = torch.nn.LayerNorm(D)  # as in CLIP-style towers, with random affine
@@ -675,15 +681,48 @@ def test_vla_encode_runs_the_backbone_blocks():
         p = vit._pos_embed(vit.patch_embed(host.tower.preprocess(x)))[:, vit.num_prefix_tokens:]  # [B n_cam, P, D]
         p = p.view(2, -1, *p.shape[1:]) + host.pos_code  # [B, n_cam, P, D] + the fixed position / camera code
         h = vit.norm_pre(torch.cat([text[:, None], p.reshape(2, -1, D)], 1))  # [B, n, D]
-        feats = feats.view(2, L, 3, h.shape[1], D)
+        feats = feats.view(2, L + 1, h.shape[1], D)
+        torch.testing.assert_close(feats[:, 0], h)
         for l, blk in enumerate(vit.blocks[:L]):
-            _, k, v = blk.attn.qkv(blk.norm1(h)).chunk(3, -1)
             h = blk(h)
-            torch.testing.assert_close(feats[:, l], torch.stack((k, v, h), 1))
+            torch.testing.assert_close(feats[:, l + 1], h)
     assert "text_table" not in host.state_dict() and "pos_code" not in host.state_dict()  # rebuilt from the config
     code = host.pos_code.flatten(0, 1)  # [n_cam P, D]: one distinct code per (camera, patch)
     assert torch.cdist(code, code).add(torch.eye(len(code))).min() > 0.1
     assert not tiny_host("vla", pos_code=False).pos_code.any()
+
+
+@pytest.mark.parametrize("ws", ["native_kv", "last_hidden"])
+def test_vla_native_kv_recomputed_from_the_cache_equals_the_blocks_own(ws):
+    """The native k / v, recomputed in context from the cached (float16) layer inputs, are the frozen blocks' own
+    attention projections, hooked in a float64 copy of the tower; the loss and the sampled actions are those of the
+    host fed the hooked k / v (what a cache of k / v would hold) to float16 rounding."""
+    host = perturb(tiny_host("vla", ws))
+    feats, instr, b = random_window(host)  # [B, T, (L + 1) n, D]
+    feats16 = feats.half().float()  # as the cache stores them
+    vit, L, (B, T) = copy.deepcopy(host.tower.model).double(), host.cfg.vla_layers, feats.shape[:2]
+    h0 = feats.view(B * T, L + 1, -1, host.D)[:, 0].double()  # [B T, n, D] the blocks' input
+    hooked = []
+    for blk in vit.blocks[:L]:
+        blk.attn.qkv.register_forward_hook(lambda m, i, o: hooked.append(o.chunk(3, -1)[1:]))  # (k, v) [B T, n, D]
+    vit.blocks[:L](h0)
+    ref = torch.stack([torch.stack(kv, 1) for kv in hooked], 1).unflatten(0, (B, T))  # [B, T, L, 2, n, D]
+    torch.testing.assert_close(host.context(feats16, instr, host.init_state(B))[0]["kv"].double(), ref,
+                               atol=2e-2 * ref.abs().max().item(), rtol=0)
+    torch.testing.assert_close(host.context(feats, instr, host.init_state(B))[0]["kv"].double(), ref,
+                               atol=1e-5, rtol=1e-5)
+
+    def run(kv=None):  # loss of the window, then the actions of frame 1's context, from fixed draws
+        with mock.patch.object(host, "native_kv", lambda h: ref.float()) if kv else contextlib.nullcontext():
+            torch.manual_seed(0)
+            loss = host.loss(feats16, instr, host.init_state(B), b["state_vec"], b["actions"], b["action_mask"],
+                             b["frame_valid"])[0]
+            ctx, _ = host.context(feats16, instr, host.init_state(B))
+            noise = torch.randn(B, host.cfg.chunk, host.cfg.action_dim)
+            return loss, host.sample({k: v[:, 1] for k, v in ctx.items()}, b["state_vec"][:, 1], instr, noise)
+
+    (loss, act), (loss_ref, act_ref) = run(), run(kv=True)
+    assert abs(loss - loss_ref) < 1e-2 * loss_ref and (act - act_ref).abs().max() < 1e-2 * act_ref.abs().max()
 
 
 def test_memory_prefix_keys_are_not_rotated():

@@ -42,6 +42,7 @@ DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre", "prefix_gate")
 DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
 PROJECTED = ("mem_heads", "mem_dim")  # native_kv writes the backbone's own heads, without DRAM's projections
+VLA_FEATURES = "h0-hL"  # the vla host's cached features: hidden states h_0 .. h_L (hosts.VLAHost.encode)
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -307,10 +308,11 @@ def scan(files):
 
 
 def feature_cache_key(host):
-    """Everything the cached features depend on: tower, image size and weights; vla: backbone layers, position code."""
+    """Everything the cached features depend on: tower, image size and weights; vla: backbone layers, position code
+    and the layout of VLAHost.encode's features (a cache of another layout is never read)."""
     c = host.cfg
     extra = dict(host=c.host, tower=host.tower.fingerprint())
-    extra |= dict(layers=c.vla_layers, pos=int(c.pos_code)) if c.host == "vla" else {}
+    extra |= dict(layers=c.vla_layers, pos=int(c.pos_code), feats=VLA_FEATURES) if c.host == "vla" else {}
     return "_".join([c.vision, f"{c.image_size}px"] + [f"{k}={v}" for k, v in sorted(extra.items())])
 
 
