@@ -450,6 +450,34 @@ class StreamSampler:
         self.ep, self.next_t = np.array(sd["ep"], np.int64), np.array(sd["next_t"], np.int64)
 
 
+class Prefetch:
+    """FrameData batches of a StreamSampler's windows, the next one gathered in a background thread while the caller
+    runs its step. next() -> (batch on `device`, the sampler's state_dict after that batch's window): a checkpoint
+    saves this state, of the windows consumed; the sampler itself is a window ahead. On CUDA the batch is gathered
+    into pinned memory and copied with non_blocking=True, so the copy does not hold up the host either."""
+
+    def __init__(self, fd, sampler, device="cpu"):
+        self.fd, self.sampler, self.device = fd, sampler, torch.device(device)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)  # one thread: windows are drawn in order
+        self.pending = self.pool.submit(self._gather)
+
+    def _gather(self):  # from here on the only caller of the sampler
+        batch = self.fd.batch(self.sampler.next_window())
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # pinned for this process's GPU, not GPU 0
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch, self.sampler.state_dict()
+
+    def next(self):
+        batch, state = self.pending.result()
+        self.pending = self.pool.submit(self._gather)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, state
+
+    def close(self):
+        self.pending.cancel()
+        self.pool.shutdown(wait=True)
+
+
 # ---- Embedded memory suite: procedurally generated 2-D tasks that the current frame alone cannot solve -------------
 # The unit square seen from above. The agent (white disc) moves by SPEED * clip(action[:2]) per step; action[2] > 0
 # presses. Objects sit near the centres of a 4x4 grid (random cells + jitter), a 16-pixel ViT patch grid at 64 px.

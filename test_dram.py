@@ -1026,6 +1026,30 @@ def test_sampler_streams_batches_and_resume():
         pytest.raises(data.DataError, other.load_state_dict, sd).match(key)
 
 
+def test_prefetched_batches_equal_the_synchronous_ones_and_resume_where_consumed():
+    """data.Prefetch (the next batch gathered in a thread) gives the batches fd.batch(sampler.next_window()) gives,
+    tensor for tensor, each with the sampler's state after its window: a run resumed from that state goes on with
+    the next window, not with the one that was in flight."""
+    rng, lengths = np.random.default_rng(0), [9, 3, 14, 6, 11]
+    eps = [data.Episode(tokens=rng.normal(size=(L, 5, 4)).astype(np.float16), instruction="t", source=f"x:{i}",
+                        state=rng.normal(size=(L, 8)).astype(np.float32),
+                        actions=rng.normal(size=(L, 7)).astype(np.float32)) for i, L in enumerate(lengths)]
+    fd = data.FrameData(eps)
+    sampler = lambda: data.StreamSampler(fd.lengths, 3, 4, chunk=2, seed=7)
+    sync = sampler()
+    want = [(fd.batch(sync.next_window()), sync.state_dict()) for _ in range(20)]
+    batches = data.Prefetch(fd, sampler())
+    got = [batches.next() for _ in range(8)]
+    batches.close()
+    resumed = sampler()
+    resumed.load_state_dict(json.loads(json.dumps(got[-1][1])))  # as a checkpoint saves and reads it
+    batches = data.Prefetch(fd, resumed)
+    got += [batches.next() for _ in range(12)]
+    batches.close()
+    for (b, st), (b2, st2) in zip(want, got, strict=True):
+        assert st == st2 and b.keys() == b2.keys() and all(torch.equal(b[k], b2[k]) for k in b)
+
+
 def test_feature_cache_reuse_and_invalidation(tmp_path):
     """Frames encoded once and reused; new key/source/no-cache re-encode; interrupted or damaged entries are safe."""
     rng = np.random.default_rng(6)

@@ -428,7 +428,7 @@ def run(argv=None):
         if bad := nonfinite(trained):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
-        mine = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(), rng=rng_state(dev))
+        mine = dict(sampler=consumed, mem=mem_state.detach().cpu(), rng=rng_state(dev))
         gathered = [mine] if world == 1 else [None] * world
         if world > 1:
             dist.all_gather_object(gathered, mine)
@@ -445,8 +445,9 @@ def run(argv=None):
     host.train()
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames, stop = time.time(), 0, a.steps if a.stop_at is None else min(a.steps, a.stop_at)
+    consumed, batches = sampler.state_dict(), data.Prefetch(fd, sampler, dev)  # consumed: the checkpoint's position
     while step < stop:
-        batch = fd.batch(sampler.next_window(), device=dev)
+        batch, consumed = batches.next()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a) * g["lr_mult"]
         loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
@@ -462,6 +463,7 @@ def run(argv=None):
                             fps=f"{frames * world / (time.time() - t0):.0f}")
         if step % a.save_every == 0 or step == stop:
             checkpoint()
+    batches.close()
     bar.close()
     if rank == 0:
         (out / "log.json").write_text(json.dumps(dict(losses=losses, args=vars(a)), indent=1))
