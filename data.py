@@ -203,6 +203,24 @@ def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
     os.replace(tmp, path)  # a crash never leaves a half-written demo file behind
 
 
+def write_synthetic_libero_10(root, n_demos=50, n_tasks=10, size=128, seed=0):
+    """A stand-in for libero_10 to size a run on (cache, step and evaluation times), not to learn from: LIBERO's schema
+    and layout, n_tasks x n_demos demos of 200-505 frames (the official demos' range), random pixels, random-walk
+    states, uniform actions in [-1, 1]. -> its files, <root>/libero_10/SYNTHETIC_task<i>_demo.hdf5."""
+    rng, files = np.random.default_rng(seed), []
+    for i in range(n_tasks):
+        eps = []
+        for _ in range(n_demos):
+            T = int(rng.integers(200, 506))
+            image = lambda: rng.integers(0, 256, (T, size, size, 3), np.uint8)  # noqa: E731
+            eps.append(dict(agentview_rgb=image(), eye_in_hand_rgb=image(), actions=rng.uniform(-1, 1, (T, 7)),
+                            ee_states=0.01 * rng.normal(size=(T, 6)).cumsum(0),
+                            gripper_states=rng.uniform(0, 0.04, (T, 2))))
+        files.append(Path(root) / "libero_10" / f"SYNTHETIC_task{i}_demo.hdf5")
+        write_demo_file(files[-1], f"synthetic task {i}", eps)
+    return files
+
+
 # ---- Normalisation statistics (saved with the checkpoint; eval un-normalises actions with the same numbers) --------
 OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie from its dimension's median
 
@@ -903,6 +921,8 @@ def parser():
                     "(default: all)")
     ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
                     "off)")
+    ap.add_argument("--synthetic", action="store_true", help="libero_10: write a full-size stand-in (random pixels, "
+                    "50 demos per task; --episodes: fewer) to size a run on (default: off)")
     return ap
 
 
@@ -912,6 +932,10 @@ def main(argv=None):
     try:
         if args.suite == MEMORY_SUITE:
             generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
+        elif args.synthetic and args.suite == "libero_10":
+            write_synthetic_libero_10(args.root, args.episodes or 50)
+        elif args.synthetic:
+            raise DataError(f"--synthetic writes libero_10 only; pass --suite libero_10, not {args.suite}")
         elif args.suite in MIKASA_SUITES:
             generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite, suite=args.suite)
         suite = []  # (where, state, actions) of every demo: check_values pools the suite

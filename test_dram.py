@@ -1326,7 +1326,16 @@ def test_host_config_defaults_are_what_train_py_trains():
                                  mem_depth=train.DIT_MEMORY_DEPTH if host == "dit" else HostConfig.mem_depth)
     lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
     assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
-                             image_size=128, pretrained=True, pos_code=False)
+                             image_size=128, pretrained=True, pos_code=False, d_model=train.LIBERO_HEAD["d_model"],
+                             mem_heads=train.LIBERO_HEAD["mem_heads"], mem_dk=train.LIBERO_HEAD["mem_dim"],
+                             mem_dv=train.LIBERO_HEAD["mem_dim"])
+    for suite in data.SUITES:  # each LIBERO suite its recipe; the embedded suite and MIKASA as they were
+        a = train.get_args(["--suite", suite], run_folder=False)
+        want = train.LIBERO.get(suite) or dict(steps=train.STEPS["dit"], batch=train.BATCH, window=train.WINDOW,
+                                               d_model=HostConfig.d_model, mem_heads=HostConfig.mem_heads)
+        want = want | (dict(steps=train.MIKASA["steps"], window=train.MIKASA["window"]) if "mikasa" in suite else {})
+        assert {k: getattr(a, k) for k in want} == want, suite
+    assert train.get_args(["--suite", "libero_10", "--batch", "5"], run_folder=False).batch == 5
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
