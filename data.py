@@ -930,12 +930,12 @@ def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        if args.suite == MEMORY_SUITE:
-            generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
-        elif args.synthetic and args.suite == "libero_10":
-            write_synthetic_libero_10(args.root, args.episodes or 50)
-        elif args.synthetic:
+        if args.synthetic and args.suite != "libero_10":
             raise DataError(f"--synthetic writes libero_10 only; pass --suite libero_10, not {args.suite}")
+        if args.synthetic:
+            write_synthetic_libero_10(args.root, args.episodes or 50)
+        elif args.suite == MEMORY_SUITE:
+            generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
         elif args.suite in MIKASA_SUITES:
             generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite, suite=args.suite)
         suite = []  # (where, state, actions) of every demo: check_values pools the suite

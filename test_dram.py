@@ -870,6 +870,20 @@ def test_bad_input_raises(tmp_path, key, value, named):
         assert str(p) in str(e.value) and (named or key) in str(e.value)
 
 
+def test_synthetic_libero_10_is_read_as_libero(tmp_path):
+    """The synthetic stand-in: LIBERO's layout and schema (train.scan and data.check_values accept it), demos of the
+    official 200-505 frames, one instruction per task, random pixels."""
+    files = data.write_synthetic_libero_10(tmp_path, n_demos=2, n_tasks=2, size=16)
+    assert data.find_demo_files(tmp_path, "libero_10", generate=False) == files
+    instructions, Da, hw = train.scan(files)
+    assert instructions == {"SYNTHETIC_task0": "synthetic task 0", "SYNTHETIC_task1": "synthetic task 1"}
+    assert (Da, hw) == (7, (16, 16))
+    _, demos = data.iter_demo_file(files[1])
+    demos = list(demos)
+    assert len(demos) == 2 and all(200 <= len(d.actions) <= 505 for d in demos)
+    assert demos[0].images["agentview_rgb"].std() > 50  # uniform pixels: std 74
+
+
 def test_scan_checks_frame_size_and_action_width(tmp_path):
     """One demo's cameras smaller: readable, but no frame size; one demo's actions narrower: both named by scan.
     (A file that is not HDF5 or damaged: test_damaged_hdf5_is_named.)"""
@@ -960,7 +974,8 @@ def test_a_named_data_folder_is_only_read(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, names", [
     ("--episodes 0", "--episodes"), ("--img-size 0", "--img-size"), ("--seed -1", "--seed"),
     ("--suite libero_10", "libero_10 download_libero_datasets"),
-    ("--suite libero_goal", "libero_goal download_libero_datasets")])  # LIBERO folder missing; empty
+    ("--suite libero_goal", "libero_goal download_libero_datasets"),  # LIBERO folder missing; empty
+    ("--synthetic", "--synthetic --suite libero_10")])
 def test_data_cli_user_errors_are_one_line(tmp_path, argv, names, capsys):
     """python data.py: a bad setting or LIBERO folder is one line naming it (and the fix), exit 2, nothing written."""
     (tmp_path / "libero_goal").mkdir()
