@@ -152,15 +152,16 @@ HOST_SIZES = {  # changes to train.py's LIBERO host
 }
 
 
-def train_args():
+def train_args(host="dit"):
     """train.py's settings for a LIBERO run, random tower weights (the timings do not depend on them)."""
-    return train.get_args(["--suite", "libero_10", "--no-pretrained"], run_folder=False)
+    return train.get_args(["--suite", "libero_10", "--no-pretrained", "--host", host], run_folder=False)
 
 
-def make_dit(size, memory, device):
-    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes."""
-    cfg = train.host_config(train_args(), vocab=("bench",), action_dim=7)
-    return make_host("dit", dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
+def make_dit(size, memory, device, host="dit"):
+    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes (part 4: also
+    the vla host, whose expert ignores the DiT head's settings)."""
+    cfg = train.host_config(train_args(host), vocab=("bench",), action_dim=7)
+    return make_host(host, dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
 
 
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
@@ -274,9 +275,9 @@ def part4(args):
     sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
     rows, headline, rng = [], [], np.random.default_rng(0)
     for name in ("dit", "vla"):
-        a = train.get_args(["--suite", "libero_10", "--no-pretrained", "--host", name], run_folder=False)
+        a = train_args(name)
         torch.manual_seed(0)
-        host = make_host(name, train.host_config(a, vocab=("bench",), action_dim=7)).to(args.device).train()
+        host = make_dit("libero", "dram", args.device, host=name).train()
         s, cams = host.cfg.image_size, host.cfg.cameras
         shape = host.encode({c: torch.zeros(1, s, s, 3, dtype=torch.uint8) for c in cams},
                             torch.zeros(1, dtype=torch.long)).shape[1:]  # [n_tok, D] a cached frame's features
@@ -285,7 +286,7 @@ def part4(args):
                             instruction="bench", source=f"bench:{i}") for i in range(8)]  # in memory (page cache)
         fd, params = data.FrameData(eps), host.trainable_parameters()
         opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
-        sampler = {k: data.StreamSampler(fd.lengths, B, T, a.chunk) for k in ("main thread", "Prefetch")}
+        sampler = {k: data.StreamSampler(fd.lengths, B, T, host.cfg.chunk) for k in ("main thread", "Prefetch")}
         prefetch, state = data.Prefetch(fd, sampler["Prefetch"], args.device), host.init_state(B, args.device)
         wait, step = {k: [] for k in sampler}, {k: [] for k in sampler}  # s per step: waiting for the batch, all
         for r in range(rounds):

@@ -482,7 +482,8 @@ class Prefetch:
     def _gather(self):  # from here on the only caller of the sampler
         batch = self.fd.batch(self.sampler.next_window())
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # pinned for this process's GPU, not GPU 0
+            if self.device.index is not None:  # this thread on the process's GPU: no CUDA context made on GPU 0
+                torch.cuda.set_device(self.device)
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch, self.sampler.state_dict()
 
