@@ -495,7 +495,7 @@ class VLAHost(Host):
     def encode(self, images, instr):
         """-> the hidden states h_0 .. h_L [B, (L + 1) n, D] (viewed as [B, L + 1, n, D]): h_0 the blocks' input,
         h_l block l's output (= block l + 1's input); n = 1 + n_cam P. The native keys / values are a frozen linear map
-        of h_0 .. h_{L-1} (native_kv): recomputed in context, not cached (12 n D values per frame would be 5 n D)."""
+        of h_0 .. h_{L-1} (native_kv), recomputed in context: a frame caches (L + 1) n D values, not 3 L n D."""
         vit = self.tower.model
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         p = vit._pos_embed(vit.patch_embed(self.tower.preprocess(x)))[:, vit.num_prefix_tokens :]  # [B n_cam, P, D]

@@ -41,9 +41,9 @@ WINDOW, BATCH = 16, 16  # frames per TBPTT window and streams elsewhere
 # up to 193 / 254 / 270 / 505 / 373 frames (spatial / object / goal / 10 / 90). window: a decision's loss reaches only
 # the writes within its window, so it spans 1.6 s at 20 Hz, 3.2 s on libero_10, whose tasks are two in a row. batch:
 # B streams over as many demos, B x T = 1,024 or 2,048 frames a step (bf16; by estimate a few GB of activations).
-# steps: about 100-300 passes over a suite's frames (~60,000 in a 10-task suite, ~140,000 in libero_10, ~600,000 in
-# libero_90). d_model 256: ten tasks' 500 demos ask more of the head than the embedded suite's 128. 8 memory heads of
-# 32: twice the embedded suite's, for the objects and stages a LIBERO task must keep track of.
+# steps: about 100-300 passes over a suite's frames (~60,000 in a 10-task suite, 150,000 or so in libero_10,
+# ~600,000 in libero_90). d_model 256: ten tasks' 500 demos ask more of the head than the embedded suite's 128.
+# 8 memory heads of 32: twice the embedded suite's, for the objects and stages a LIBERO task must keep track of.
 LIBERO_HEAD = dict(d_model=256, mem_heads=8, mem_dim=32)
 LIBERO = dict(libero_spatial=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
               libero_object=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
