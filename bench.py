@@ -12,6 +12,8 @@ What DRAM costs against what a user would run instead, each timed beside its bas
      a step does not grow with the episode), and a k-frame context (no memory; the head cross-attends to the last
      k frames' tokens; k = 1 is the memoryless host) against DRAM. On CUDA also replayed as CUDA graphs.
   3  a training step as train.py runs it (train.train_step on cached features), per frame: DRAM against memoryless.
+  4  train.py's loop, the dit and vla hosts: the next batch gathered on the main thread (fd.batch) against
+     data.Prefetch; the share of the step the main thread waits for its batch.
 Sizes of parts 2-3: libero = train.py's LIBERO host (vit_small at 128 px: 129 tokens x 384; its settings, optimizer
 and clip read through train.get_args, random tower weights); gr00t = a head of
 GR00T N1.5's size (16 blocks, width 1536) on 393 tokens x 2048. Each ratio is the median of per-round ratios over
@@ -26,10 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data
 from dram import joint_write, write_weights
 from eval import capture_cuda_graph
 from hosts import make_host
@@ -148,15 +152,16 @@ HOST_SIZES = {  # changes to train.py's LIBERO host
 }
 
 
-def train_args():
+def train_args(host="dit"):
     """train.py's settings for a LIBERO run, random tower weights (the timings do not depend on them)."""
-    return train.get_args(["--suite", "libero_10", "--no-pretrained"], run_folder=False)
+    return train.get_args(["--suite", "libero_10", "--no-pretrained", "--host", host], run_folder=False)
 
 
-def make_dit(size, memory, device):
-    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes."""
-    cfg = train.host_config(train_args(), vocab=("bench",), action_dim=7)
-    return make_host("dit", dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
+def make_dit(size, memory, device, host="dit"):
+    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes (part 4: also
+    the vla host, whose expert ignores the DiT head's settings)."""
+    cfg = train.host_config(train_args(host), vocab=("bench",), action_dim=7)
+    return make_host(host, dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
 
 
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
@@ -263,14 +268,59 @@ def part3(args):
                  "Cached features; bf16 autocast on CUDA as in train.py. x = DRAM time / memoryless time."), headline
 
 
+# ---- Part 4: the data path, batches gathered between steps against data.Prefetch ---------------------------------
+def part4(args):
+    B, T = (16, 16) if args.device.type == "cuda" else (4, 8)
+    rounds, per_round = (2, 3) if args.quick else (5, 4)
+    sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
+    rows, headline, rng = [], [], np.random.default_rng(0)
+    for name in ("dit", "vla"):
+        a = train_args(name)
+        torch.manual_seed(0)
+        host = make_dit("libero", "dram", args.device, host=name).train()
+        s, cams = host.cfg.image_size, host.cfg.cameras
+        shape = host.encode({c: torch.zeros(1, s, s, 3, dtype=torch.uint8) for c in cams},
+                            torch.zeros(1, dtype=torch.long)).shape[1:]  # [n_tok, D] a cached frame's features
+        eps = [data.Episode(tokens=rng.standard_normal((64, *shape), np.float32).astype(np.float16),
+                            state=rng.standard_normal((64, 8), np.float32), actions=rng.uniform(-1, 1, (64, 7)),
+                            instruction="bench", source=f"bench:{i}") for i in range(8)]  # in memory (page cache)
+        fd, params = data.FrameData(eps), host.trainable_parameters()
+        opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+        sampler = {k: data.StreamSampler(fd.lengths, B, T, host.cfg.chunk) for k in ("main thread", "Prefetch")}
+        prefetch, state = data.Prefetch(fd, sampler["Prefetch"], args.device), host.init_state(B, args.device)
+        wait, step = {k: [] for k in sampler}, {k: [] for k in sampler}  # s per step: waiting for the batch, all
+        for r in range(rounds):
+            for how in sampler:
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    batch = (prefetch.next()[0] if how == "Prefetch" else
+                             fd.batch(sampler[how].next_window(), device=args.device))
+                    t1 = time.perf_counter()
+                    _, _, state = train.train_step(host, opt, params, batch, state, a.clip)
+                    sync()
+                    wait[how].append(t1 - t0)
+                    step[how].append(time.perf_counter() - t0)
+        prefetch.close()
+        share = {k: sum(wait[k]) / sum(step[k]) for k in sampler}
+        x = statistics.median(step["main thread"]) / statistics.median(step["Prefetch"])
+        rows += [[name, f"{B} x {T} x {tuple(shape)}", k, f"{1e3 * statistics.median(step[k]):.0f}",
+                  f"{1e3 * statistics.median(wait[k]):.1f}", f"{100 * share[k]:.1f} %"] for k in sampler]
+        headline.append((f"train.py step, batch gathered between steps vs Prefetch ({name})", x, "main / Prefetch"))
+    return table("Part 4: train.py's loop, batches gathered on the main thread vs data.Prefetch",
+                 ["host", "B x T x frame", "gathered by", "step ms", "wait ms", "wait / step"], rows,
+                 "LIBERO sizes (train.py's settings, random tower weights), cached features in memory; wait: the "
+                 "main thread's time until its batch is ready, its share summed over all steps."), headline
+
+
 # ---- Command line ------------------------------------------------------------------------------------------------
-PARTS = {1: part1, 2: part2, 3: part3}
+PARTS = {1: part1, 2: part2, 3: part3, 4: part4}
 
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="(default: %(default)s)")
-    p.add_argument("--parts", nargs="+", type=int, choices=list(PARTS), default=list(PARTS), help="(default: 1 2 3)")
+    p.add_argument("--parts", nargs="+", type=int, choices=list(PARTS), default=list(PARTS),
+                   help="(default: 1 2 3 4)")
     p.add_argument("--sizes", nargs="+", choices=list(HOST_SIZES), help="parts 2-3 (default: libero; cuda: + gr00t)")
     p.add_argument("--quick", action="store_true", help="part 1 at P = 32, part 2 at k = 1, 8; shorter (default: off)")
     p.add_argument("--out", help="folder to write bench.md into (default: none, print only)")

@@ -203,6 +203,24 @@ def write_demo_file(path, instruction, episodes, env_name="", attrs=None):
     os.replace(tmp, path)  # a crash never leaves a half-written demo file behind
 
 
+def write_synthetic_libero_10(root, n_demos=50, n_tasks=10, size=128, seed=0):
+    """A stand-in for libero_10 to size a run on (cache, step and evaluation times), not to learn from: LIBERO's schema
+    and layout, n_tasks x n_demos demos of 200-505 frames (the official demos' range), random pixels, random-walk
+    states, uniform actions in [-1, 1]. -> its files, <root>/libero_10/SYNTHETIC_task<i>_demo.hdf5."""
+    rng, files = np.random.default_rng(seed), []
+    for i in range(n_tasks):
+        eps = []
+        for _ in range(n_demos):
+            T = int(rng.integers(200, 506))
+            image = lambda: rng.integers(0, 256, (T, size, size, 3), np.uint8)  # noqa: E731
+            eps.append(dict(agentview_rgb=image(), eye_in_hand_rgb=image(), actions=rng.uniform(-1, 1, (T, 7)),
+                            ee_states=0.01 * rng.normal(size=(T, 6)).cumsum(0),
+                            gripper_states=rng.uniform(0, 0.04, (T, 2))))
+        files.append(Path(root) / "libero_10" / f"SYNTHETIC_task{i}_demo.hdf5")
+        write_demo_file(files[-1], f"synthetic task {i}", eps)
+    return files
+
+
 # ---- Normalisation statistics (saved with the checkpoint; eval un-normalises actions with the same numbers) --------
 OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie from its dimension's median
 
@@ -448,6 +466,35 @@ class StreamSampler:
                                 f"{mine[k]} now (resuming needs the same data, batch size, window and seed)")
         self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
         self.ep, self.next_t = np.array(sd["ep"], np.int64), np.array(sd["next_t"], np.int64)
+
+
+class Prefetch:
+    """FrameData batches of a StreamSampler's windows, the next one gathered in a background thread while the caller
+    runs its step. next() -> (batch on `device`, the sampler's state_dict after that batch's window): a checkpoint
+    saves this state, of the windows consumed; the sampler itself is a window ahead. On CUDA the batch is gathered
+    into pinned memory and copied with non_blocking=True, so the copy does not hold up the host either."""
+
+    def __init__(self, fd, sampler, device="cpu"):
+        self.fd, self.sampler, self.device = fd, sampler, torch.device(device)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)  # one thread: windows are drawn in order
+        self.pending = self.pool.submit(self._gather)
+
+    def _gather(self):  # from here on the only caller of the sampler
+        batch = self.fd.batch(self.sampler.next_window())
+        if self.device.type == "cuda":
+            if self.device.index is not None:  # this thread on the process's GPU: no CUDA context made on GPU 0
+                torch.cuda.set_device(self.device)
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch, self.sampler.state_dict()
+
+    def next(self):
+        batch, state = self.pending.result()
+        self.pending = self.pool.submit(self._gather)
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}, state
+
+    def close(self):
+        self.pending.cancel()
+        self.pool.shutdown(wait=True)
 
 
 # ---- Embedded memory suite: procedurally generated 2-D tasks that the current frame alone cannot solve -------------
@@ -919,6 +966,8 @@ def parser():
                     "(default: all)")
     ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
                     "off)")
+    ap.add_argument("--synthetic", action="store_true", help="libero_10: write a full-size stand-in (random pixels, "
+                    "50 demos per task; --episodes: fewer) to size a run on (default: off)")
     return ap
 
 
@@ -926,7 +975,11 @@ def main(argv=None):
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        if args.suite == MEMORY_SUITE:
+        if args.synthetic and args.suite != "libero_10":
+            raise DataError(f"--synthetic writes libero_10 only; pass --suite libero_10, not {args.suite}")
+        if args.synthetic:
+            write_synthetic_libero_10(args.root, args.episodes or 50)
+        elif args.suite == MEMORY_SUITE:
             generate_memory_suite(args.root, args.episodes, args.img_size, args.seed, overwrite=args.overwrite)
         elif args.suite in MIKASA_SUITES:
             generate_mikasa_suite(args.root, args.episodes, args.tasks, overwrite=args.overwrite, suite=args.suite)

@@ -493,8 +493,9 @@ class VLAHost(Host):
 
     @torch.no_grad()
     def encode(self, images, instr):
-        """-> per-layer features [B, L 3 n, D] (viewed as [B, L, 3, n, D]): native key, native value (the qkv
-        projection's outputs, pre-RoPE) and the hidden output of each backbone layer; n = 1 + n_cam P."""
+        """-> the hidden states h_0 .. h_L [B, (L + 1) n, D] (viewed as [B, L + 1, n, D]): h_0 the blocks' input,
+        h_l block l's output (= block l + 1's input); n = 1 + n_cam P. The native keys / values are a frozen linear map
+        of h_0 .. h_{L-1} (native_kv), recomputed in context: a frame caches (L + 1) n D values, not 3 L n D."""
         vit = self.tower.model
         x = stack_cameras(images, self.cfg.cameras, self.tower.mean.device)  # [B n_cam, H, W, 3]
         p = vit._pos_embed(vit.patch_embed(self.tower.preprocess(x)))[:, vit.num_prefix_tokens :]  # [B n_cam, P, D]
@@ -502,24 +503,29 @@ class VLAHost(Host):
         B = p.shape[0]
         text = self.text_table[instr.to(self.text_table.device)]  # [B, D] the instructions' frozen text tokens
         h = torch.cat([text[:, None].to(p.dtype), p.reshape(B, -1, self.D)], 1)  # [B, n, D]
-        h = vit.norm_pre(h)  # as timm's forward_features before the blocks (a LayerNorm in CLIP-style towers)
-        feats = []
+        hs = [vit.norm_pre(h)]  # as timm's forward_features before the blocks (a LayerNorm in CLIP-style towers)
         for blk in vit.blocks[: self.cfg.vla_layers]:
-            qkv = []
-            hook = blk.attn.qkv.register_forward_hook(lambda m, i, o: qkv.append(o))
-            h = blk(h)
-            hook.remove()
-            _, k, v = qkv[0].chunk(3, -1)  # [B, n, D] each, all heads concatenated (timm's qkv layout)
-            feats.append(torch.stack([k, v, h], 1))  # [B, 3, n, D]
-        return torch.stack(feats, 1).flatten(1, 3)  # [B, L 3 n, D]: flat like the DiT tokens, for the cache
+            hs.append(blk(hs[-1]))
+        return torch.cat(hs, 1)  # [B, (L + 1) n, D]: flat like the DiT tokens, for the cache
+
+    @torch.no_grad()
+    def native_kv(self, h):
+        """Backbone layer l's native key and value (its attention's qkv projection of norm1(h_l), pre-RoPE, heads
+        concatenated; frozen, so no gradient). h [..., L, n, D] the layers' inputs -> [..., L, 2, n, D]."""
+        kv = []
+        for l, blk in enumerate(self.tower.model.blocks[: self.cfg.vla_layers]):
+            w, b = blk.attn.qkv.weight[self.D :], blk.attn.qkv.bias  # rows [k; v] of timm's [q; k; v] projection
+            z = F.linear(blk.norm1(h[..., l, :, :]), w, None if b is None else b[self.D :])  # [..., n, 2 D]
+            kv.append(torch.stack(z.chunk(2, -1), -3))  # [..., 2, n, D]
+        return torch.stack(kv, -4)
 
     def context(self, feats, instr, state, frame_valid=None):
-        """feats [B, T, L 3 n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
+        """feats [B, T, (L + 1) n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
         Only the query slots evolve across memory layers; the host's own tokens are untouched."""
         B, T, LN, D = feats.shape
         L, ws = self.cfg.vla_layers, self.cfg.write_source
-        feats = feats.view(B, T, L, 3, LN // (3 * L), D)  # [B, T, L, 3, n, D]: (native k, native v, hidden)
-        ctx = {"kv": feats[:, :, :, :2]}
+        h = feats.view(B, T, L + 1, LN // (L + 1), D)  # [B, T, L + 1, n, D]: h_0 .. h_L
+        ctx = {"kv": self.native_kv(h[:, :, :L])}  # [B, T, L, 2, n, D]
         if self.memory is None:
             return ctx, state
         q = self.slots.expand(B, T, *self.slots.shape)  # [B, T, M, D]
@@ -529,9 +535,9 @@ class VLAHost(Host):
         # Centred over the frame's tokens, the keys are near-orthogonal and the gates write selectively.
         outs, new = [], []
         for l, layer in enumerate(self.memory):
-            # last_hidden: every memory layer writes the last backbone layer's hidden tokens
-            k, v, h = feats[:, :, -1 if ws == "last_hidden" else l].unbind(2)  # [B, T, n, D] each
-            xk, xv = (k, v) if ws == "native_kv" else (h, h)
+            # hidden: memory layer l writes backbone layer l's output h_{l+1}; last_hidden: every one writes h_L
+            out = h[:, :, L if ws == "last_hidden" else l + 1]  # [B, T, n, D]
+            xk, xv = ctx["kv"][:, :, l].unbind(2) if ws == "native_kv" else (out, out)  # [B, T, n, D] each
             if self.cfg.write_centre:  # minus the frame's token mean: a pure function of the current frame
                 xk, xv = xk - xk.mean(2, keepdim=True), xv - xv.mean(2, keepdim=True)
             q, _, s = layer(q, xk.float(), xv.float(), state[:, l], None, None, frame_valid)  # [B, T, M, D]

@@ -614,8 +614,8 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
     feats, instr, b = random_window(host)
     L = host.cfg.vla_layers
     ctx, _ = host.context(feats, instr, host.init_state(2))
-    last = feats.clone().view(2, 3, L, 3, -1, feats.shape[-1])  # [B, T, L, 3, n, D]
-    last[:, 1, L - 1] += torch.randn_like(last[:, 1, L - 1])  # frame 1's last backbone layer only
+    last = feats.clone().view(2, 3, L + 1, -1, feats.shape[-1])  # [B, T, L + 1, n, D]: h_0 .. h_L
+    last[:, 1, L] += torch.randn_like(last[:, 1, L])  # frame 1's last backbone layer's output only
     p, p2 = ctx["prefix"], host.context(last.view_as(feats), instr, host.init_state(2))[0]["prefix"]
     assert torch.equal(p2[:, :2], p[:, :2]) and torch.equal(p2[:, 2, 0], p[:, 2, 0])
     assert (p2[:, 2, L - 1] - p[:, 2, L - 1]).abs().max() > 1e-4
@@ -629,14 +629,20 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
 @pytest.mark.parametrize("ws", ["native_kv", "hidden", "last_hidden"])
 def test_vla_memory_writes_its_sources_centred_over_each_frame(ws):
     """A vector shared by all tokens of a frame (most of a random tower's hidden-token power) reaches neither the
-    memory state nor the prefix; without write_centre it reaches both."""
+    memory state nor the prefix; without write_centre it reaches both. native_kv: the shared vector is a shift of the
+    key / value projection's bias (a shift of h_l would not pass norm1 as one)."""
     for centre in (True, False):
         host = perturb(tiny_host("vla", ws, write_centre=centre))
         feats, instr, _ = random_window(host)
         B, T, L = 2, 3, host.cfg.vla_layers
-        shift = 3.0 * torch.randn(B, T, L, 3, 1, feats.shape[-1])  # one vector per frame, layer and source
-        moved = (feats.view(B, T, L, 3, -1, feats.shape[-1]) + shift).view_as(feats)
-        (ctx, s), (ctx2, s2) = (host.context(f, instr, host.init_state(B)) for f in (feats, moved))
+        shift = 3.0 * torch.randn(B, T, L + 1, 1, feats.shape[-1])  # one vector per frame and hidden state
+        moved = (feats.view(B, T, L + 1, -1, feats.shape[-1]) + shift).view_as(feats)
+        (ctx, s) = host.context(feats, instr, host.init_state(B))
+        if ws == "native_kv":
+            moved = feats
+            for blk in host.tower.model.blocks:
+                blk.attn.qkv.bias.data[host.D:] += 3.0 * torch.randn(2 * host.D)
+        ctx2, s2 = host.context(moved, instr, host.init_state(B))
         close = torch.allclose(ctx2["prefix"], ctx["prefix"], atol=1e-4) and torch.allclose(s2, s, atol=1e-4)
         assert close == centre
 
@@ -660,7 +666,7 @@ def test_dit_head_conditions_on_the_instruction():
 
 
 def test_vla_encode_runs_the_backbone_blocks():
-    """vla features: [text | patches] -> norm_pre -> blocks 1..L, native k / v and hidden per layer, by hand."""
+    """vla features: [text | patches] -> norm_pre -> blocks 1..L, the hidden states h_0 .. h_L, by hand."""
     host = tiny_host("vla", "native_kv", vocab=("place it", "x", "pick it"))  # any vocabulary order
     vit, D, L = host.tower.model, host.D, host.cfg.vla_layers
     vit.norm_pre = torch.nn.LayerNorm(D)  # as in CLIP-style towers, with random affine
@@ -675,15 +681,48 @@ def test_vla_encode_runs_the_backbone_blocks():
         p = vit._pos_embed(vit.patch_embed(host.tower.preprocess(x)))[:, vit.num_prefix_tokens:]  # [B n_cam, P, D]
         p = p.view(2, -1, *p.shape[1:]) + host.pos_code  # [B, n_cam, P, D] + the fixed position / camera code
         h = vit.norm_pre(torch.cat([text[:, None], p.reshape(2, -1, D)], 1))  # [B, n, D]
-        feats = feats.view(2, L, 3, h.shape[1], D)
+        feats = feats.view(2, L + 1, h.shape[1], D)
+        torch.testing.assert_close(feats[:, 0], h)
         for l, blk in enumerate(vit.blocks[:L]):
-            _, k, v = blk.attn.qkv(blk.norm1(h)).chunk(3, -1)
             h = blk(h)
-            torch.testing.assert_close(feats[:, l], torch.stack((k, v, h), 1))
+            torch.testing.assert_close(feats[:, l + 1], h)
     assert "text_table" not in host.state_dict() and "pos_code" not in host.state_dict()  # rebuilt from the config
     code = host.pos_code.flatten(0, 1)  # [n_cam P, D]: one distinct code per (camera, patch)
     assert torch.cdist(code, code).add(torch.eye(len(code))).min() > 0.1
     assert not tiny_host("vla", pos_code=False).pos_code.any()
+
+
+@pytest.mark.parametrize("ws", ["native_kv", "last_hidden"])
+def test_vla_native_kv_recomputed_from_the_cache_equals_the_blocks_own(ws):
+    """The native k / v, recomputed in context from the cached (float16) layer inputs, are the frozen blocks' own
+    attention projections, hooked in a float64 copy of the tower; the loss and the sampled actions are those of the
+    host fed the hooked k / v (what a cache of k / v would hold) to float16 rounding."""
+    host = perturb(tiny_host("vla", ws))
+    feats, instr, b = random_window(host)  # [B, T, (L + 1) n, D]
+    feats16 = feats.half().float()  # as the cache stores them
+    vit, L, (B, T) = copy.deepcopy(host.tower.model).double(), host.cfg.vla_layers, feats.shape[:2]
+    h0 = feats.view(B * T, L + 1, -1, host.D)[:, 0].double()  # [B T, n, D] the blocks' input
+    hooked = []
+    for blk in vit.blocks[:L]:
+        blk.attn.qkv.register_forward_hook(lambda m, i, o: hooked.append(o.chunk(3, -1)[1:]))  # (k, v) [B T, n, D]
+    vit.blocks[:L](h0)
+    ref = torch.stack([torch.stack(kv, 1) for kv in hooked], 1).unflatten(0, (B, T))  # [B, T, L, 2, n, D]
+    torch.testing.assert_close(host.context(feats16, instr, host.init_state(B))[0]["kv"].double(), ref,
+                               atol=2e-2 * ref.abs().max().item(), rtol=0)
+    torch.testing.assert_close(host.context(feats, instr, host.init_state(B))[0]["kv"].double(), ref,
+                               atol=1e-5, rtol=1e-5)
+
+    def run(kv=None):  # loss of the window, then the actions of frame 1's context, from fixed draws
+        with mock.patch.object(host, "native_kv", lambda h: ref.float()) if kv else contextlib.nullcontext():
+            torch.manual_seed(0)
+            loss = host.loss(feats16, instr, host.init_state(B), b["state_vec"], b["actions"], b["action_mask"],
+                             b["frame_valid"])[0]
+            ctx, _ = host.context(feats16, instr, host.init_state(B))
+            noise = torch.randn(B, host.cfg.chunk, host.cfg.action_dim)
+            return loss, host.sample({k: v[:, 1] for k, v in ctx.items()}, b["state_vec"][:, 1], instr, noise)
+
+    (loss, act), (loss_ref, act_ref) = run(), run(kv=True)
+    assert abs(loss - loss_ref) < 1e-2 * loss_ref and (act - act_ref).abs().max() < 1e-2 * act_ref.abs().max()
 
 
 def test_memory_prefix_keys_are_not_rotated():
@@ -831,6 +870,20 @@ def test_bad_input_raises(tmp_path, key, value, named):
         assert str(p) in str(e.value) and (named or key) in str(e.value)
 
 
+def test_synthetic_libero_10_is_read_as_libero(tmp_path):
+    """The synthetic stand-in: LIBERO's layout and schema (train.scan and data.check_values accept it), demos of the
+    official 200-505 frames, one instruction per task, random pixels."""
+    files = data.write_synthetic_libero_10(tmp_path, n_demos=2, n_tasks=2, size=16)
+    assert data.find_demo_files(tmp_path, "libero_10", generate=False) == files
+    instructions, Da, hw = train.scan(files)
+    assert instructions == {"SYNTHETIC_task0": "synthetic task 0", "SYNTHETIC_task1": "synthetic task 1"}
+    assert (Da, hw) == (7, (16, 16))
+    _, demos = data.iter_demo_file(files[1])
+    demos = list(demos)
+    assert len(demos) == 2 and all(200 <= len(d.actions) <= 505 for d in demos)
+    assert demos[0].images["agentview_rgb"].std() > 50  # uniform pixels: std 74
+
+
 def test_scan_checks_frame_size_and_action_width(tmp_path):
     """One demo's cameras smaller: readable, but no frame size; one demo's actions narrower: both named by scan.
     (A file that is not HDF5 or damaged: test_damaged_hdf5_is_named.)"""
@@ -921,7 +974,8 @@ def test_a_named_data_folder_is_only_read(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, names", [
     ("--episodes 0", "--episodes"), ("--img-size 0", "--img-size"), ("--seed -1", "--seed"),
     ("--suite libero_10", "libero_10 download_libero_datasets"),
-    ("--suite libero_goal", "libero_goal download_libero_datasets")])  # LIBERO folder missing; empty
+    ("--suite libero_goal", "libero_goal download_libero_datasets"),  # LIBERO folder missing; empty
+    ("--synthetic", "--synthetic --suite libero_10")])
 def test_data_cli_user_errors_are_one_line(tmp_path, argv, names, capsys):
     """python data.py: a bad setting or LIBERO folder is one line naming it (and the fix), exit 2, nothing written."""
     (tmp_path / "libero_goal").mkdir()
@@ -985,6 +1039,30 @@ def test_sampler_streams_batches_and_resume():
               "lengths_sha": sampler(ls=lengths[:-1] + [3])}  # same count, other data
     for key, other in others.items():  # each mismatch is refused, naming the setting
         pytest.raises(data.DataError, other.load_state_dict, sd).match(key)
+
+
+def test_prefetched_batches_equal_the_synchronous_ones_and_resume_where_consumed():
+    """data.Prefetch (the next batch gathered in a thread) gives the batches fd.batch(sampler.next_window()) gives,
+    tensor for tensor, each with the sampler's state after its window: a run resumed from that state goes on with
+    the next window, not with the one that was in flight."""
+    rng, lengths = np.random.default_rng(0), [9, 3, 14, 6, 11]
+    eps = [data.Episode(tokens=rng.normal(size=(L, 5, 4)).astype(np.float16), instruction="t", source=f"x:{i}",
+                        state=rng.normal(size=(L, 8)).astype(np.float32),
+                        actions=rng.normal(size=(L, 7)).astype(np.float32)) for i, L in enumerate(lengths)]
+    fd = data.FrameData(eps)
+    sampler = lambda: data.StreamSampler(fd.lengths, 3, 4, chunk=2, seed=7)
+    sync = sampler()
+    want = [(fd.batch(sync.next_window()), sync.state_dict()) for _ in range(20)]
+    batches = data.Prefetch(fd, sampler())
+    got = [batches.next() for _ in range(8)]
+    batches.close()
+    resumed = sampler()
+    resumed.load_state_dict(json.loads(json.dumps(got[-1][1])))  # as a checkpoint saves and reads it
+    batches = data.Prefetch(fd, resumed)
+    got += [batches.next() for _ in range(12)]
+    batches.close()
+    for (b, st), (b2, st2) in zip(want, got, strict=True):
+        assert st == st2 and b.keys() == b2.keys() and all(torch.equal(b[k], b2[k]) for k in b)
 
 
 def test_feature_cache_reuse_and_invalidation(tmp_path):
@@ -1263,7 +1341,16 @@ def test_host_config_defaults_are_what_train_py_trains():
                                  mem_depth=train.DIT_MEMORY_DEPTH if host == "dit" else HostConfig.mem_depth)
     lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
     assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
-                             image_size=128, pretrained=True, pos_code=False)
+                             image_size=128, pretrained=True, pos_code=False, d_model=train.LIBERO_HEAD["d_model"],
+                             mem_heads=train.LIBERO_HEAD["mem_heads"], mem_dk=train.LIBERO_HEAD["mem_dim"],
+                             mem_dv=train.LIBERO_HEAD["mem_dim"])
+    for suite in data.SUITES:  # each LIBERO suite its recipe; the embedded suite and MIKASA as they were
+        a = train.get_args(["--suite", suite], run_folder=False)
+        want = train.LIBERO.get(suite) or dict(steps=train.STEPS["dit"], batch=train.BATCH, window=train.WINDOW,
+                                               d_model=HostConfig.d_model, mem_heads=HostConfig.mem_heads)
+        want = want | (dict(steps=train.MIKASA["steps"], window=train.MIKASA["window"]) if "mikasa" in suite else {})
+        assert {k: getattr(a, k) for k in want} == want, suite
+    assert train.get_args(["--suite", "libero_10", "--batch", "5"], run_folder=False).batch == 5
 
 
 @pytest.mark.parametrize("script", ["train", "data", "eval"])
@@ -2045,7 +2132,7 @@ def test_bench_baselines_compute_the_joint_write(N):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--parts", "4"], "--parts"), (["--parts", "one"], "--parts"), (["--sizes", "huge"], "--sizes"),
+    (["--parts", str(max(bench.PARTS) + 1)], "--parts"), (["--parts", "one"], "--parts"), (["--sizes", "huge"], "--sizes"),
     (["--device", "tpu"], "--device"), (["--out", __file__], "--out")])
 def test_bad_bench_arguments_are_argparse_errors(argv, flag, capsys):
     """Refused before anything is timed, by argparse (exit status 2), naming the flag."""

@@ -36,12 +36,26 @@ STEPS = dict(dit=2200, vla=1800)
 # MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
 # 10,000 demo frames take fewer steps than the embedded suite's 27,000
 MIKASA = dict(window=25, steps=1500)
-WINDOW = 16  # frames per TBPTT window elsewhere
+WINDOW, BATCH = 16, 16  # frames per TBPTT window and streams elsewhere
+# LIBERO on one GPU, both hosts (d_model: the dit host's; the vla expert has its backbone's width). 50 demos per task,
+# up to 193 / 254 / 270 / 505 / 373 frames (spatial / object / goal / 10 / 90). window: a decision's loss reaches only
+# the writes within its window, so it spans 1.6 s at 20 Hz, 3.2 s on libero_10, whose tasks are two in a row. batch:
+# B streams over as many demos, B x T = 1,024 or 2,048 frames a step (bf16; by estimate a few GB of activations).
+# steps: about 100-300 passes over a suite's frames (~60,000 in a 10-task suite, 150,000 or so in libero_10,
+# ~600,000 in libero_90). d_model 256: ten tasks' 500 demos ask more of the head than the embedded suite's 128.
+# 8 memory heads of 32: twice the embedded suite's, for the objects and stages a LIBERO task must keep track of.
+LIBERO_HEAD = dict(d_model=256, mem_heads=8, mem_dim=32)
+LIBERO = dict(libero_spatial=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
+              libero_object=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
+              libero_goal=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
+              libero_10=dict(steps=15000, batch=32, window=64, **LIBERO_HEAD),
+              libero_90=dict(steps=40000, batch=64, window=32, **LIBERO_HEAD))
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre", "prefix_gate")
 DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
 PROJECTED = ("mem_heads", "mem_dim")  # native_kv writes the backbone's own heads, without DRAM's projections
+VLA_FEATURES = "h0-hL"  # the vla host's cached features: hidden states h_0 .. h_L (hosts.VLAHost.encode)
 LIBERO_CHUNK = 10  # openpi's action chunk on LIBERO; eval.py --replan 5 executes half of it, as openpi does
 
 
@@ -70,11 +84,12 @@ def parser():
                    help="load the tower's pretrained timm weights (default: on for LIBERO, off for the embedded suite)")
     p.add_argument("--weights-file", default="", help="local weights file for the tower (offline; default: none)")
     p.add_argument("--window", type=int, help=f"TBPTT window T in frames (default: {WINDOW}; mikasa "
-                   f"{MIKASA['window']})")
+                   f"{MIKASA['window']}; LIBERO per suite: train.LIBERO)")
     p.add_argument("--chunk", type=int, help=f"action chunk C (default: {HostConfig.chunk}; LIBERO {LIBERO_CHUNK})")
     p.add_argument("--steps", type=int, help=f"training steps (default: {STEPS['dit']} dit, {STEPS['vla']} vla; "
-                   f"mikasa {MIKASA['steps']})")
-    p.add_argument("--batch", type=int, default=16, help="parallel streams B (per rank)")
+                   f"mikasa {MIKASA['steps']}; LIBERO per suite: train.LIBERO)")
+    p.add_argument("--batch", type=int, help=f"parallel streams B per rank (default: {BATCH}; LIBERO per suite: "
+                   f"train.LIBERO)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
@@ -87,9 +102,12 @@ def parser():
                    "files hold)")
     p.add_argument("--mem-depth", type=int, help=f"memory layers (default: {HostConfig.mem_depth}; "
                    f"{DIT_MEMORY_DEPTH} for the dit host on the embedded suite)")
-    p.add_argument("--mem-heads", type=int, help=f"memory heads H (default: {HostConfig.mem_heads})")
-    p.add_argument("--mem-dim", type=int, help=f"d_k = d_v per memory head (default: {HostConfig.mem_dk})")
-    p.add_argument("--d-model", type=int, help=f"dit host: action head width (default: {HostConfig.d_model})")
+    p.add_argument("--mem-heads", type=int, help=f"memory heads H (default: {HostConfig.mem_heads}; LIBERO "
+                   f"{LIBERO_HEAD['mem_heads']})")
+    p.add_argument("--mem-dim", type=int, help=f"d_k = d_v per memory head (default: {HostConfig.mem_dk}; LIBERO "
+                   f"{LIBERO_HEAD['mem_dim']})")
+    p.add_argument("--d-model", type=int, help=f"dit host: action head width (default: {HostConfig.d_model}; LIBERO "
+                   f"{LIBERO_HEAD['d_model']})")
     p.add_argument("--head-blocks", type=int, help="dit host: DiT blocks, alternating cross / self attention "
                    f"(default: {HostConfig.head_blocks})")
     p.add_argument("--vla-layers", type=int, help=f"vla host: backbone layers used (default: {HostConfig.vla_layers})")
@@ -127,9 +145,10 @@ def get_args(argv=None, run_folder=True):
         lo = 0 if k in ("warmup", "eval_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
-    mikasa = a.suite in data.MIKASA_SUITES
-    a.steps = a.steps or (MIKASA["steps"] if mikasa else STEPS[a.host])
-    a.window = a.window or (MIKASA["window"] if mikasa else WINDOW)
+    mikasa, recipe = a.suite in data.MIKASA_SUITES, LIBERO.get(a.suite, {})
+    a.steps = a.steps or recipe.get("steps") or (MIKASA["steps"] if mikasa else STEPS[a.host])
+    a.window = a.window or recipe.get("window") or (MIKASA["window"] if mikasa else WINDOW)
+    a.batch = a.batch or recipe.get("batch", BATCH)
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
@@ -161,8 +180,9 @@ def get_args(argv=None, run_folder=True):
     a.write_source, a.vla_layers = a.write_source or c.write_source, a.vla_layers or c.vla_layers
     a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
     a.write_centre, a.mixer = a.write_centre is not False, bool(a.mixer)
-    a.mem_heads, a.mem_dim = a.mem_heads or c.mem_heads, a.mem_dim or c.mem_dk
-    a.d_model, a.head_blocks = a.d_model or c.d_model, a.head_blocks or c.head_blocks
+    a.mem_heads = a.mem_heads or recipe.get("mem_heads", c.mem_heads)
+    a.mem_dim = a.mem_dim or recipe.get("mem_dim", c.mem_dk)
+    a.d_model, a.head_blocks = a.d_model or recipe.get("d_model", c.d_model), a.head_blocks or c.head_blocks
     a.chunk = a.chunk or (LIBERO_CHUNK if lib else c.chunk)
     a.vision = a.vision or ("vit_small_patch16_224.dino" if lib else c.vision)
     a.image_size = a.image_size or (128 if lib else c.image_size)
@@ -307,10 +327,11 @@ def scan(files):
 
 
 def feature_cache_key(host):
-    """Everything the cached features depend on: tower, image size and weights; vla: backbone layers, position code."""
+    """Everything the cached features depend on: tower, image size and weights; vla: backbone layers, position code
+    and the layout of VLAHost.encode's features (a cache of another layout is never read)."""
     c = host.cfg
     extra = dict(host=c.host, tower=host.tower.fingerprint())
-    extra |= dict(layers=c.vla_layers, pos=int(c.pos_code)) if c.host == "vla" else {}
+    extra |= dict(layers=c.vla_layers, pos=int(c.pos_code), feats=VLA_FEATURES) if c.host == "vla" else {}
     return "_".join([c.vision, f"{c.image_size}px"] + [f"{k}={v}" for k, v in sorted(extra.items())])
 
 
@@ -426,7 +447,7 @@ def run(argv=None):
         if bad := nonfinite(trained):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
                                      f"not written. Lower --lr, or check --weight-decay / --mem-lr-mult and the data")
-        mine = dict(sampler=sampler.state_dict(), mem=mem_state.detach().cpu(), rng=rng_state(dev))
+        mine = dict(sampler=consumed, mem=mem_state.detach().cpu(), rng=rng_state(dev))
         gathered = [mine] if world == 1 else [None] * world
         if world > 1:
             dist.all_gather_object(gathered, mine)
@@ -443,8 +464,9 @@ def run(argv=None):
     host.train()
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames, stop = time.time(), 0, a.steps if a.stop_at is None else min(a.steps, a.stop_at)
+    consumed, batches = sampler.state_dict(), data.Prefetch(fd, sampler, dev)  # consumed: the checkpoint's position
     while step < stop:
-        batch = fd.batch(sampler.next_window(), device=dev)
+        batch, consumed = batches.next()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a) * g["lr_mult"]
         loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
@@ -460,6 +482,7 @@ def run(argv=None):
                             fps=f"{frames * world / (time.time() - t0):.0f}")
         if step % a.save_every == 0 or step == stop:
             checkpoint()
+    batches.close()
     bar.close()
     if rank == 0:
         (out / "log.json").write_text(json.dumps(dict(losses=losses, args=vars(a)), indent=1))
