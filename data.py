@@ -207,6 +207,9 @@ def write_synthetic_libero_10(root, n_demos=50, n_tasks=10, size=128, seed=0):
     """A stand-in for libero_10 to size a run on (cache, step and evaluation times), not to learn from: LIBERO's schema
     and layout, n_tasks x n_demos demos of 200-505 frames (the official demos' range), random pixels, random-walk
     states, uniform actions in [-1, 1]. -> its files, <root>/libero_10/SYNTHETIC_task<i>_demo.hdf5."""
+    if real := [p.name for p in Path(root, "libero_10").glob("*_demo.hdf5") if not p.name.startswith("SYNTHETIC_")]:
+        raise DataError(f"{Path(root, 'libero_10')} holds demos ({real[0]}, ...) that training would mix with the "
+                        f"random ones; write the stand-in into another root: --out DIR")
     rng, files = np.random.default_rng(seed), []
     for i in range(n_tasks):
         eps = []

@@ -975,13 +975,19 @@ def test_a_named_data_folder_is_only_read(tmp_path, monkeypatch, capsys):
     ("--episodes 0", "--episodes"), ("--img-size 0", "--img-size"), ("--seed -1", "--seed"),
     ("--suite libero_10", "libero_10 download_libero_datasets"),
     ("--suite libero_goal", "libero_goal download_libero_datasets"),  # LIBERO folder missing; empty
-    ("--synthetic", "--synthetic --suite libero_10")])
+    ("--synthetic", "--synthetic --suite libero_10"),
+    ("--suite libero_10 --synthetic", "KITCHEN_demo.hdf5 --out")])  # never beside real demos: training would mix them
 def test_data_cli_user_errors_are_one_line(tmp_path, argv, names, capsys):
     """python data.py: a bad setting or LIBERO folder is one line naming it (and the fix), exit 2, nothing written."""
     (tmp_path / "libero_goal").mkdir()
+    before = ["libero_goal"]
+    if "KITCHEN" in names:  # a real demo where the stand-in would go
+        (tmp_path / "libero_10").mkdir()
+        (tmp_path / "libero_10" / "KITCHEN_demo.hdf5").write_bytes(b"")
+        before = ["KITCHEN_demo.hdf5", "libero_10", "libero_goal"]
     err = usage_error(data.main, ["--out", str(tmp_path)] + argv.split(), capsys)
     assert len(err.strip().splitlines()) == 1 and all(n in err for n in names.split())
-    assert [p.name for p in tmp_path.rglob("*")] == ["libero_goal"]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_sampler_streams_batches_and_resume():
