@@ -2138,8 +2138,8 @@ def test_bench_baselines_compute_the_joint_write(N):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--parts", str(max(bench.PARTS) + 1)], "--parts"), (["--parts", "one"], "--parts"), (["--sizes", "huge"], "--sizes"),
-    (["--device", "tpu"], "--device"), (["--out", __file__], "--out")])
+    (["--parts", str(max(bench.PARTS) + 1)], "--parts"), (["--parts", "one"], "--parts"),
+    (["--sizes", "huge"], "--sizes"), (["--device", "tpu"], "--device"), (["--out", __file__], "--out")])
 def test_bad_bench_arguments_are_argparse_errors(argv, flag, capsys):
     """Refused before anything is timed, by argparse (exit status 2), naming the flag."""
     assert flag in usage_error(bench.main, argv, capsys)
