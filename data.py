@@ -876,11 +876,11 @@ class _ForcedChoice:
         return getattr(self.rng, name)
 
 
-def rollout_mikasa_expert(env, seed, target=None, noise=MIKASA_NOISE):
-    """One expert episode run to the step limit (DART: executes action + noise, records the clean action); the first
-    success does not end it, so the demos show the arm staying still. -> dict of stacked raw obs, actions, success
-    (at any step: env.success is kept once reached)."""
-    rng = np.random.default_rng([int(seed), -1 if target is None else int(target), 3])
+def rollout_mikasa_expert(env, seed, target, noise=MIKASA_NOISE):
+    """One expert episode at env seed `seed` with candidate `target` as its target (MikasaEnv.reset), run to the step
+    limit (DART: executes action + noise, records the clean action); the first success does not end it, so the demos
+    show the arm staying still. -> dict of stacked raw obs, actions, success (at any step: env.success is kept)."""
+    rng = np.random.default_rng([int(seed), int(target), 3])
     obs, frames, acts = env.reset(seed, target), [], []
     for _ in range(env.max_steps):
         a = env.expert_action()  # [7]

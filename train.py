@@ -45,9 +45,8 @@ WINDOW, BATCH = 16, 16  # frames per TBPTT window and streams elsewhere
 # ~600,000 in libero_90). d_model 256: ten tasks' 500 demos ask more of the head than the embedded suite's 128.
 # 8 memory heads of 32: twice the embedded suite's, for the objects and stages a LIBERO task must keep track of.
 LIBERO_HEAD = dict(d_model=256, mem_heads=8, mem_dim=32)
-LIBERO = dict(libero_spatial=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
-              libero_object=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
-              libero_goal=dict(steps=10000, batch=32, window=32, **LIBERO_HEAD),
+TEN_SHORT_TASKS = dict(steps=10000, batch=32, window=32, **LIBERO_HEAD)
+LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, libero_goal=TEN_SHORT_TASKS,
               libero_10=dict(steps=15000, batch=32, window=64, **LIBERO_HEAD),
               libero_90=dict(steps=40000, batch=64, window=32, **LIBERO_HEAD))
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
