@@ -157,11 +157,17 @@ def train_args(host="dit"):
     return train.get_args(["--suite", "libero_10", "--no-pretrained", "--host", host], run_folder=False)
 
 
-def make_dit(size, memory, device, host="dit"):
-    """The DiT host at a size: train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes (part 4: also
-    the vla host, whose expert ignores the DiT head's settings)."""
+def make_bench_host(size, memory, device, host="dit"):
+    """train.py's LIBERO host (action width 7) with HOST_SIZES[size]'s changes; those are the DiT head's, which the vla
+    host's expert (part 4) ignores."""
     cfg = train.host_config(train_args(host), vocab=("bench",), action_dim=7)
     return make_host(host, dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
+
+
+def make_optimizer(host):
+    """train.py's optimizer at its defaults for this host."""
+    a = train_args(host.cfg.host)
+    return train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
 
 
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
@@ -198,7 +204,7 @@ def part2(args):
     rows, headline = [], []
     for size in args.sizes:
         torch.manual_seed(0)
-        host, base = make_dit(size, "dram", device).eval(), make_dit(size, "none", device).eval()
+        host, base = make_bench_host(size, "dram", device).eval(), make_bench_host(size, "none", device).eval()
         cfg, NP, D = host.cfg, len(host.cfg.cameras) * host.tower.n_patches, host.tower.width  # NP: n_cam P
         instr = torch.zeros(1, dtype=torch.long, device=device)
         svec, noise = rand(1, cfg.state_dim), rand(1, cfg.chunk, cfg.action_dim)  # [1, Ds], [1, C, Da]
@@ -248,7 +254,7 @@ def make_train_step(host, B, T, g):
                  actions=rand(B, T, cfg.chunk, cfg.action_dim),  # [B, T, C, Da]
                  action_mask=ones(B, T, cfg.chunk), frame_valid=ones(B, T), reset=~ones(B))
     S0 = 0.1 * rand(*host.init_state(B).shape)  # [B, ...] (empty for the memoryless host)
-    opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+    opt = make_optimizer(host)
     return lambda: train.train_step(host, opt, host.trainable_parameters(), batch, S0, a.clip)
 
 
@@ -258,7 +264,7 @@ def part3(args):
         # B streams x T frames: both sides' cost is linear in B T and x is per frame, so fewer on the CPU
         B, T = (8, 16) if args.device.type == "cuda" else (1, 2) if size == "gr00t" else (4, 8)
         torch.manual_seed(0)
-        steps = {m: make_train_step(make_dit(size, m, args.device).train(), B, T, g) for m in ("dram", "none")}
+        steps = {m: make_train_step(make_bench_host(size, m, args.device).train(), B, T, g) for m in ("dram", "none")}
         per = timeit(steps, args)
         x = ratio(per, "dram", "none")
         rows.append([size, f"{B} x {T}", ms(per, "dram", B * T), ms(per, "none", B * T), f"{x:.2f}"])
@@ -277,15 +283,14 @@ def part4(args):
     for name in ("dit", "vla"):
         a = train_args(name)
         torch.manual_seed(0)
-        host = make_dit("libero", "dram", args.device, host=name).train()
+        host = make_bench_host("libero", "dram", args.device, host=name).train()
         s, cams = host.cfg.image_size, host.cfg.cameras
         shape = host.encode({c: torch.zeros(1, s, s, 3, dtype=torch.uint8) for c in cams},
                             torch.zeros(1, dtype=torch.long)).shape[1:]  # [n_tok, D] a cached frame's features
         eps = [data.Episode(tokens=rng.standard_normal((64, *shape), np.float32).astype(np.float16),
                             state=rng.standard_normal((64, 8), np.float32), actions=rng.uniform(-1, 1, (64, 7)),
                             instruction="bench", source=f"bench:{i}") for i in range(8)]  # in memory (page cache)
-        fd, params = data.FrameData(eps), host.trainable_parameters()
-        opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
+        fd, params, opt = data.FrameData(eps), host.trainable_parameters(), make_optimizer(host)
         sampler = {k: data.StreamSampler(fd.lengths, B, T, host.cfg.chunk) for k in ("main thread", "Prefetch")}
         prefetch, state = data.Prefetch(fd, sampler["Prefetch"], args.device), host.init_state(B, args.device)
         wait, step = {k: [] for k in sampler}, {k: [] for k in sampler}  # s per step: waiting for the batch, all
@@ -302,7 +307,8 @@ def part4(args):
                     step[how].append(time.perf_counter() - t0)
         prefetch.close()
         share = {k: sum(wait[k]) / sum(step[k]) for k in sampler}
-        x = statistics.median(step["main thread"]) / statistics.median(step["Prefetch"])
+        rounds_s = {k: [sum(v[r * per_round : (r + 1) * per_round]) for r in range(rounds)] for k, v in step.items()}
+        x = ratio(rounds_s, "main thread", "Prefetch")  # s per round of per_round steps, each side
         rows += [[name, f"{B} x {T} x {tuple(shape)}", k, f"{1e3 * statistics.median(step[k]):.0f}",
                   f"{1e3 * statistics.median(wait[k]):.1f}", f"{100 * share[k]:.1f} %"] for k in sampler]
         headline.append((f"train.py step, batch gathered between steps vs Prefetch ({name})", x, "main / Prefetch"))
