@@ -215,22 +215,14 @@ class AdaLN(nn.Module):
 class FlowHead(nn.Module):
     """Flow matching (eq. fm) around a velocity network v(a_tau, tau; ctx, state, instr)."""
 
-    def fm_loss(self, ctx, state_vec, instr, actions, action_mask, draws=1):
-        """F frames: actions [F, C, Da], action_mask [F, C] -> per-frame loss [F] (mean over the valid actions).
-        draws: (tau, eps) pairs per frame, its context computed once; their mean estimates eq. (fm) with 1 / draws of
-        the variance, at the cost of the head alone (the memory's gradient arrives through every draw)."""
-        n = actions.shape[0]  # F
-        if draws > 1:  # every input [F, ...] -> [F draws, ...], each frame's copies adjacent
-            ctx = {k: v.repeat_interleave(draws, 0) for k, v in ctx.items()}
-            state_vec, instr, actions, action_mask = (x.repeat_interleave(draws, 0)
-                                                      for x in (state_vec, instr, actions, action_mask))
-        tau, eps = sample_tau(actions.shape[0], actions.device), torch.randn_like(actions)  # [F draws], [.., C, Da]
+    def fm_loss(self, ctx, state_vec, instr, actions, action_mask):
+        """F frames: actions [F, C, Da], action_mask [F, C] -> per-frame loss [F] (mean over the valid actions)."""
+        tau, eps = sample_tau(actions.shape[0], actions.device), torch.randn_like(actions)  # [F], [F, C, Da]
         a_tau = (1 - tau[:, None, None]) * actions + tau[:, None, None] * eps
         u = eps - actions
-        v = self.velocity(a_tau, tau, ctx, state_vec, instr)  # [F draws, C, Da]
-        m = action_mask[..., None].to(v.dtype)  # [F draws, C, 1] padding past the episode end
-        loss = ((v.float() - u) ** 2 * m).sum((1, 2)) / (m.sum((1, 2)) * actions.shape[-1]).clamp(min=1)
-        return loss.view(n, draws).mean(1)  # [F draws] -> [F, draws] -> [F]
+        v = self.velocity(a_tau, tau, ctx, state_vec, instr)  # [F, C, Da]
+        m = action_mask[..., None].to(v.dtype)  # [F, C, 1] padding past the episode end
+        return ((v.float() - u) ** 2 * m).sum((1, 2)) / (m.sum((1, 2)) * actions.shape[-1]).clamp(min=1)
 
     @torch.no_grad()
     def sample(self, ctx, state_vec, instr, noise, steps):
@@ -272,17 +264,15 @@ class Host(nn.Module):
         ctx, state = self.context(feats[:, None], instr, state)
         return {k: v[:, 0] for k, v in ctx.items()}, state
 
-    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid, draws=1):
+    def loss(self, feats, instr, state, state_vec, actions, action_mask, frame_valid):
         """Flow-matching loss of a TBPTT window. feats [B, T, ...], state_vec [B, T, Ds], actions [B, T, C, Da],
         action_mask [B, T, C], frame_valid [B, T]. Gradients run through the whole window (reads, gates, solve);
-        only the F valid frames reach the head, each with `draws` (tau, eps) pairs (FlowHead.fm_loss).
-        -> (sum of their per-frame losses, F [] long, new memory state)."""
+        only the F valid frames reach the head. -> (sum of their per-frame losses, F [] long, new memory state)."""
         ctx, new_state = self.context(feats, instr, state, frame_valid)  # ctx values [B, T, ...]
         (B, T), sel = frame_valid.shape, frame_valid.reshape(-1)  # sel: [B T]
         pick = lambda x: x.reshape(B * T, *x.shape[2:])[sel]  # [B, T, ...] -> [F, ...]
         per_frame = self.head.fm_loss({k: pick(v) for k, v in ctx.items()}, pick(state_vec),
-                                      pick(instr[:, None].expand(B, T)), pick(actions), pick(action_mask),
-                                      draws)  # [F]
+                                      pick(instr[:, None].expand(B, T)), pick(actions), pick(action_mask))  # [F]
         return per_frame.sum(), sel.sum(), new_state
 
     def sample(self, ctx, state_vec, instr, noise):

@@ -606,14 +606,6 @@ def test_flow_matching_convention_tau_and_masked_loss():
     moved = torch.where(mask[..., None], a0, a0 + 100.0)  # actions past the episode end do not count
     torch.manual_seed(2)
     torch.testing.assert_close(zero.fm_loss(None, None, None, moved, mask), loss)
-    # draws = 3: frame f's loss is the mean over its own 3 (tau, eps) pairs, drawn as 9 rows f0, f0, f0, f1, ...
-    torch.manual_seed(3)
-    loss3 = zero.fm_loss(dict(tokens=torch.zeros(3, 5, 2)), torch.zeros(3, 1), torch.zeros(3), a0, mask, draws=3)
-    torch.manual_seed(3)
-    hosts.sample_tau(9, torch.device("cpu"))
-    eps = torch.randn(9, 4, 2)
-    rows = [((eps[r] - a0[r // 3])[mask[r // 3]] ** 2).mean() for r in range(9)]
-    torch.testing.assert_close(loss3, torch.stack(rows).view(3, 3).mean(1))
 
 
 def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_l():
@@ -1322,7 +1314,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--steps", "0"], "--steps"), (["--save-every", "0"], "--save-every"), (["--episodes", "0"], "--episodes"),
     (["--weights-file", "nowhere.pt"], "nowhere.pt"), (["--lr", "inf"], "--lr"), (["--lr", "-1"], "--lr"),
     (["--clip", "0"], "--clip"), (["--clip", "nan"], "--clip"), (["--weight-decay", "nan"], "--weight-decay"),
-    (["--mem-lr-mult", "-2"], "--mem-lr-mult"), (["--warmup", "-3"], "--warmup"), (["--fm-draws", "0"], "--fm-draws"),
+    (["--mem-lr-mult", "-2"], "--mem-lr-mult"), (["--warmup", "-3"], "--warmup"),
     (["--eval-episodes", "-1"], "--eval-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
@@ -1344,8 +1336,6 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
     assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
     assert [train.get_args(["--host", h] + x).steps for h in ("dit", "vla") for x in ([], ["--steps", "7"])] == [
         train.STEPS["dit"], 7, train.STEPS["vla"], 7]  # each host's default, or the flag
-    assert [train.get_args(x).fm_draws for x in (["--host", "dit"], ["--host", "vla"], ["--suite", "mikasa"],
-                                                  ["--fm-draws", "3"])] == [*train.FM_DRAWS.values(), 1, 3]
 
 
 def test_host_config_defaults_are_what_train_py_trains():

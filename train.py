@@ -33,12 +33,9 @@ from hosts import nonfinite, read_checkpoint, save_checkpoint
 # Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla)
 # minutes of training on 2 CPU cores. MEM_LR_MULT: the memory layers' lr, relative to --lr.
 STEPS = dict(dit=2200, vla=1800)
-# FM_DRAWS: (tau, noise) pairs per frame in the flow-matching loss. Two cost the dit host 1.4x per step (its head is
-# half the step) and lift its weakest seeds; the vla expert is ~65 % of its step, so a second draw costs it 1.65x.
-FM_DRAWS = dict(dit=2, vla=1)
 # MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
 # 15,000 demo frames take fewer steps than the embedded suite's 27,000 (4,000 fit the demos closer, score no higher)
-MIKASA = dict(window=25, steps=1500, fm_draws=1)
+MIKASA = dict(window=25, steps=1500)
 WINDOW, BATCH = 16, 16  # frames per TBPTT window and streams elsewhere
 # LIBERO on one GPU, both hosts (d_model: the dit host's; the vla expert has its backbone's width). 50 demos per task,
 # up to 193 / 254 / 270 / 505 / 373 frames (spatial / object / goal / 10 / 90). window: a decision's loss reaches only
@@ -92,9 +89,6 @@ def parser():
                    f"mikasa {MIKASA['steps']}; LIBERO per suite: train.LIBERO)")
     p.add_argument("--batch", type=int, help=f"parallel streams B per rank (default: {BATCH}; LIBERO per suite: "
                    f"train.LIBERO)")
-    p.add_argument("--fm-draws", type=int, help=f"(tau, noise) pairs per frame in the flow-matching loss, the "
-                   f"frame's context shared (default: {FM_DRAWS['dit']} dit, {FM_DRAWS['vla']} vla; mikasa "
-                   f"{MIKASA['fm_draws']})")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (weight matrices only)")
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
@@ -146,7 +140,7 @@ def get_args(argv=None, run_folder=True):
     p = parser()
     a = p.parse_args(argv)
     for k in ("steps", "batch", "window", "chunk", "episodes", "save_every", "mem_depth", "mem_heads", "mem_dim",
-              "d_model", "head_blocks", "vla_layers", "flow_steps", "warmup", "eval_episodes", "fm_draws"):
+              "d_model", "head_blocks", "vla_layers", "flow_steps", "warmup", "eval_episodes"):
         lo = 0 if k in ("warmup", "eval_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
@@ -154,7 +148,6 @@ def get_args(argv=None, run_folder=True):
     a.steps = a.steps or recipe.get("steps") or (MIKASA["steps"] if mikasa else STEPS[a.host])
     a.window = a.window or recipe.get("window") or (MIKASA["window"] if mikasa else WINDOW)
     a.batch = a.batch or recipe.get("batch", BATCH)
-    a.fm_draws = a.fm_draws or (MIKASA["fm_draws"] if mikasa else FM_DRAWS[a.host])
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
@@ -225,7 +218,7 @@ def host_config(a, vocab, action_dim):
 
 RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
                    "eval_episodes", "weights_file")  # where and how this process runs
-RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip", "fm_draws")  # may change: train on to more steps
+RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # may change: train on to more steps
 
 
 def resume_args(a, saved, argv, path):
@@ -268,16 +261,16 @@ def all_reduce_grads(params):
         p.grad = g.view_as(p)  # [numel] -> p's shape
 
 
-def train_step(host, opt, params, batch, state, clip, world=1, draws=1):
+def train_step(host, opt, params, batch, state, clip, world=1):
     """One TBPTT step: zero the memory rows of streams that start an episode, flow-matching loss (eq. fm, mean over
-    the valid frames of all ranks, `draws` (tau, noise) pairs each), backward through the whole window, clip, AdamW. state [B, ...]: carried from the
+    the valid frames of all ranks), backward through the whole window, clip, AdamW. state [B, ...]: carried from the
     stream's previous window (detached there). -> (loss [] over all ranks, this rank's valid frames [], new state
     detached)."""
     state = host.reset_state(state.detach(), batch["reset"])
     # bf16 autocast on CUDA only; the joint solve stays fp32 by itself
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["tokens"].is_cuda):
         loss_sum, n, state = host.loss(batch["tokens"], batch["instr"], state, batch["state"], batch["actions"],
-                                       batch["action_mask"], batch["frame_valid"], draws)
+                                       batch["action_mask"], batch["frame_valid"])
     total = torch.stack([loss_sum.detach().float(), n.float()])  # [2] loss sum, valid frames; n stays this rank's
     if world > 1:  # one call: every rank's loss and frames
         dist.all_reduce(total)
@@ -475,7 +468,7 @@ def run(argv=None):
         batch, consumed = batches.next()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a) * g["lr_mult"]
-        loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world, a.fm_draws)
+        loss, n, mem_state = train_step(host, opt, params, batch, mem_state, a.clip, world=world)
         step += 1
         frames += int(n)
         lv = loss.item()  # the mean over all ranks' valid frames
