@@ -431,7 +431,9 @@ class ExpertLayer(nn.Module):
 
 
 class ExpertHead(FlowHead):
-    """pi0-style action expert of the backbone's depth: own tokens [state + instruction, a_tau^1..C]."""
+    """pi0-style action expert of the backbone's depth: own tokens [state + instruction, a_tau^1..C], adaLN on the
+    flow time and the instruction. In pi0 the VLM's tokens carry the instruction; a random frozen backbone carries it
+    as one hashed text token, so a learned instruction embedding joins the time embedding, as in the DiT head."""
 
     def __init__(self, cfg: HostConfig, d, n_heads, memory):
         super().__init__()
@@ -442,10 +444,11 @@ class ExpertHead(FlowHead):
         self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.prefix_gate, cfg.kv_adapter)
                                      for _ in range(cfg.vla_layers)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
+        self.instr_cond = nn.Embedding(max(len(cfg.vocab), 1), d)  # instruction -> adaLN conditioning
         self.d = d
 
     def velocity(self, a_tau, tau, ctx, state_vec, instr):
-        temb = self.t_mlp(time_embedding(tau, self.d))  # [B, d]
+        temb = self.t_mlp(time_embedding(tau, self.d)) + self.instr_cond(instr)  # [B, d] flow time + instruction
         s = self.state_in(state_vec) + self.instr_embed(instr)  # [B, d]
         x = torch.cat([s[:, None], self.action_in(a_tau)], 1)  # [B, 1 + C, d]
         pre = ctx.get("prefix")  # [B, L_mem, M, d] or None

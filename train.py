@@ -30,8 +30,8 @@ import data
 from hosts import ConfigError, HostConfig, check_config, load_weights, make_host
 from hosts import nonfinite, read_checkpoint, save_checkpoint
 
-# Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 10 (dit) and 15 (vla)
-# minutes of training on 2 CPU cores. MEM_LR_MULT: the memory layers' lr, relative to --lr.
+# Embedded-suite defaults; the hosts' architecture defaults are HostConfig's. STEPS: about 12 (dit) and 27 (vla)
+# minutes of training on 2 idle CPU cores. MEM_LR_MULT: the memory layers' lr, relative to --lr.
 STEPS = dict(dit=2200, vla=1800)
 # MIKASA-Robo: an episode (25 frames) is one window, so the loss of every decision reaches the cue frames' writes;
 # 15,000 demo frames take fewer steps than the embedded suite's 27,000 (4,000 fit the demos closer, score no higher)
