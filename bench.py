@@ -164,11 +164,6 @@ def make_bench_host(size, memory, device, host="dit"):
     return make_host(host, dataclasses.replace(cfg, memory=memory, **HOST_SIZES[size])).to(device)
 
 
-def make_optimizer(host, a):
-    """train.py's optimizer for `host` at the settings `a` (train_args)."""
-    return train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
-
-
 # ---- Part 2: control-step latency, DRAM at episode step t against a k-frame context ------------------------------
 class KFrameContext(nn.Module):
     """The multi-frame baseline (paper, introduction): no memory; the DiT head cross-attends to the last k frames'
@@ -253,7 +248,7 @@ def make_train_step(host, B, T, g):
                  actions=rand(B, T, cfg.chunk, cfg.action_dim),  # [B, T, C, Da]
                  action_mask=ones(B, T, cfg.chunk), frame_valid=ones(B, T), reset=~ones(B))
     S0 = 0.1 * rand(*host.init_state(B).shape)  # [B, ...] (empty for the memoryless host)
-    opt = make_optimizer(host, a)
+    opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
     return lambda: train.train_step(host, opt, host.trainable_parameters(), batch, S0, a.clip)
 
 
@@ -288,8 +283,9 @@ def part4(args):
                             torch.zeros(1, dtype=torch.long)).shape[1:]  # [n_tok, D] a cached frame's features
         eps = [data.Episode(tokens=rng.standard_normal((64, *shape), np.float32).astype(np.float16),
                             state=rng.standard_normal((64, 8), np.float32), actions=rng.uniform(-1, 1, (64, 7)),
-                            instruction="bench", source=f"bench:{i}") for i in range(8)]  # in memory (page cache)
-        fd, params, opt = data.FrameData(eps), host.trainable_parameters(), make_optimizer(host, a)
+                            instruction="bench") for i in range(8)]  # in memory (page cache)
+        fd, params = data.FrameData(eps), host.trainable_parameters()
+        opt = train.make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
         sampler = {k: data.StreamSampler(fd.lengths, B, T, host.cfg.chunk) for k in ("main thread", "Prefetch")}
         prefetch, state = data.Prefetch(fd, sampler["Prefetch"], args.device), host.init_state(B, args.device)
         wait, step = {k: [] for k in sampler}, {k: [] for k in sampler}  # s per step: waiting for the batch, all

@@ -281,14 +281,12 @@ class Episode:  # one demo as training sees it
     state: np.ndarray  # float32 [T, 8], not normalised
     actions: np.ndarray  # float32 [T, Da], not normalised
     instruction: str
-    source: str  # "<file>:<demo name>"
 
 
-def _episodes(path, instruction, metas, state, actions, tokens):
+def _episodes(instruction, metas, state, actions, tokens):
     """Cut a file's frame arrays (state [N,8], actions [N,Da], tokens [N,n_tok,D]) into its demos."""
     cut = [slice(m["offset"], m["offset"] + m["length"]) for m in metas]
-    return [Episode(tokens=tokens[s], state=state[s], actions=actions[s], instruction=instruction,
-                    source=f"{path}:{m['name']}") for m, s in zip(metas, cut)]
+    return [Episode(tokens=tokens[s], state=state[s], actions=actions[s], instruction=instruction) for s in cut]
 
 
 def _encode_file(path, encode_fn, batch_size, progress, alloc=lambda *shape: np.empty(shape, np.float16)):
@@ -369,7 +367,7 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
     episodes = []
     for p in map(Path, files):
         if not use_cache:
-            episodes += _episodes(p, *_encode_file(p, encode_fn, batch_size, progress))
+            episodes += _episodes(*_encode_file(p, encode_fn, batch_size, progress))
             continue
         st = p.stat()  # the cache trusts a source file by its path, size and modification time
         ident = {"path": str(p.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -384,7 +382,7 @@ def build_feature_cache(files, encode_fn, cache_key, cache_dir=DEFAULT_CACHE_DIR
             n = sum(m["length"] for m in meta["demos"])
             if not len(tokens) == len(state) == len(actions) == n:
                 raise ValueError(f"{len(tokens)} token, {len(state)} state, {len(actions)} action rows for {n} frames")
-            episodes += _episodes(p, meta["instruction"], meta["demos"], state, actions, tokens)
+            episodes += _episodes(meta["instruction"], meta["demos"], state, actions, tokens)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"feature cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that folder and "
                             f"{p} is encoded again") from e

@@ -12,15 +12,7 @@ Use it in your own model (a shared-source stack; X^Q = X^K = X^V = the N tokens 
 
 A fresh layer is the identity (f_O is zero-initialised): adding it leaves a frozen policy as it was.
 
-Paper label       what                                                                          code
-  (write-gate)    w = p b / (1 - b), b = min(sigmoid(g_i u_beta + b_beta), 0.99)                write_weights
-  (read)          R_t = Q_t S_{t-1} / sqrt(d_k), from the PRE-update state                      read
-  (gated_delta_memory)  the token-by-token delta rule that the joint write generalises     sequential_delta_write
-  (joint-objective) -> (closed-form) -> (correction): S_t = S_bar + Delta,
-                  (I + K^T W K) Delta = K^T W (V - K S_bar), S_bar = gamma S_{t-1}, by Cholesky  joint_write
-  (app-adjoint), (app-grads): A Lambda = G with the stored factor, then the input gradients  _JointWrite.backward
-  (projections), (retention): Q, K, V, gamma = exp(-exp(a) softplus(g_bar u_gamma + b_gamma))  DRAMLayer.project
-  (fuse)          Y_t = X^Q_t + f_O(sigmoid(f_G(X^Q_t)) * R_t)                                  DRAMLayer.fuse
+Docstrings cite the paper's equation labels: eq. (read) is the paper's eq:read.
 Shapes: B batch, T frames of a TBPTT window, M query tokens, N write tokens, H heads, dk / dv per-head dims.
 """
 import math
@@ -176,12 +168,9 @@ class DRAMConfig:
     n_heads: int = 4  # H
     head_dk: int = 64  # d_k per head
     head_dv: int = 64  # d_v per head
-    beta_cap: float = 0.99  # eq. (write-gate) cap => w <= 99
     kv_proj: bool = True  # False = "native KV": X^K, X^V already are H per-head keys / values (D_K = H dk, D_V = H dv)
     mixer: bool = False  # optional bidirectional intra-frame mixer (self-attention + MLP) on Y, Sec. 3.2
     mixer_heads: int = 4
-    retention_min_dt: float = 1e-3  # initial per-head decay rates, see DRAMLayer.reset_parameters
-    retention_max_dt: float = 1e-1
 
 
 class IntraFrameMixer(nn.Module):
@@ -243,14 +232,12 @@ class DRAMLayer(nn.Module):
         time constants of 10 to 1000 frames, the span of a LIBERO episode (20 Hz, up to ~500 frames). Write gate
         u_beta = b_beta = 0: beta = 0.5, w = 1. f_O = 0: a fresh layer returns X^Q exactly."""
         c = self.cfg
-        dt = torch.exp(torch.linspace(math.log(c.retention_min_dt), math.log(c.retention_max_dt), c.n_heads))
+        dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), c.n_heads))
         with torch.no_grad():
             self.retention.weight.zero_()
             self.retention.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^{-1}(dt)
             for p in (self.write_gate.weight, self.write_gate.bias, self.f_O.weight, self.f_O.bias):
                 p.zero_()
-
-    reset_state = staticmethod(reset_state)
 
     def init_state(self, batch_size, device=None):
         """S_0 = 0: [B, H, dk, dv], fp32 whatever the layer's dtype (appendix: the persistent state is fp32)."""
@@ -282,7 +269,7 @@ class DRAMLayer(nn.Module):
             beta = torch.sigmoid(lin(self.write_gate, z_k))  # [*, N, H]
         if self.tap is not None:
             self.tap.update(beta=beta, gamma=gamma)
-        w = write_weights(beta, None if kv_mask is None else kv_mask[..., None], c.beta_cap)  # [*, N, H]
+        w = write_weights(beta, None if kv_mask is None else kv_mask[..., None])  # [*, N, H]
         return Q.transpose(-3, -2), K.transpose(-3, -2), V.transpose(-3, -2), w.transpose(-2, -1), gamma
 
     def fuse(self, x_q, R, q_mask=None):
@@ -300,9 +287,8 @@ class DRAMLayer(nn.Module):
         """A TBPTT window of T frames, in the paper's order per frame: read S_{t-1}, fuse, write.
 
         x_q [B, T, M, D_Q], x_k [B, T, N, D_K], x_v [B, T, N, D_V], state [B, H, dk, dv]. Returns
-        (y [B, T, M, D_Q], readout R [B, T, M, H dv], final state [B, H, dk, dv]). Projections and gates of all
-        frames are batched; the reads of all frames are one matmul against the states S_0..S_{T-1}.
-        Padded frames (frame_valid False, past an episode's end) pass through: R = 0, y = x_q, no write."""
+        (y [B, T, M, D_Q], readout R [B, T, M, H dv], final state [B, H, dk, dv]). Padded frames (frame_valid
+        False, past an episode's end) pass through: R = 0, y = x_q, no write."""
         B, T, M, _ = x_q.shape
         Q, K, V, w, gamma = self.project(x_q, x_k, x_v, kv_mask)  # [B, T, H, M, dk], ..., gamma [B, T, H]
         fv = None if frame_valid is None else frame_valid[:, None, :].expand(B, gamma.shape[-1], T)  # [B, H, T]

@@ -68,7 +68,6 @@ class HostConfig:
     key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to
     kv_adapter: bool = True  # a learned linear map per expert layer on the backbone keys / values it reads (init I)
     write_centre: bool = True  # the memory's write sources centred over each frame's tokens
-    prefix_gate: bool = False  # ablation only: the prefix in its own softmax behind a zero-initialised gate
 
     def __post_init__(self):
         for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
@@ -382,7 +381,7 @@ class ExpertLayer(nn.Module):
     patch). kv_adapter: layer l's k and v read through learned linear maps, the identity at first (pi0's expert was
     trained with its VLM; this one starts from scratch over fixed random per-head projections)."""
 
-    def __init__(self, d, n_heads, memory, key_norm=True, prefix_gate=False, kv_adapter=True):
+    def __init__(self, d, n_heads, memory, key_norm=True, kv_adapter=True):
         super().__init__()
         self.h, self.key_norm = n_heads, key_norm
         self.kv_adapter = nn.ModuleList([nn.Linear(d, d) for _ in range(2)]) if kv_adapter else None
@@ -393,8 +392,6 @@ class ExpertLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         if memory:
             self.pre_k, self.pre_v = nn.Linear(d, d), nn.Linear(d, d)  # readout -> prefix keys / values
-            # ablation: the prefix in a separate softmax behind a zero-initialised gate per head (LLaMA-Adapter)
-            self.gate = nn.Parameter(torch.zeros(n_heads)) if prefix_gate else None
 
     def keys(self, x, kv_l, prefix):
         """-> q [B, h, n, dh], keys and values [B, h, M + m + n, dh] and the keys' RoPE positions [M + m + n]."""
@@ -420,12 +417,7 @@ class ExpertLayer(nn.Module):
         prefix [B, M, d] fused query-slot readout or None."""
         B, n, d = x.shape
         q, k, v, _ = self.keys(self.norm1(x, temb), kv_l, prefix)
-        if prefix is None or self.gate is None:
-            o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
-        else:  # ablation: host keys in one softmax, the M prefix keys in another, added through the gate
-            M = prefix.shape[1]
-            o = F.scaled_dot_product_attention(q, k[:, :, M:], v[:, :, M:]) + self.gate.view(1, -1, 1, 1).to(
-                q.dtype) * F.scaled_dot_product_attention(q, k[:, :, :M], v[:, :, :M])  # [B, h, n, d/h]
+        o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
         x = x + self.o(o.transpose(1, 2).reshape(B, n, d))
         return x + self.mlp(self.norm2(x))
 
@@ -441,7 +433,7 @@ class ExpertHead(FlowHead):
         self.instr_embed = nn.Embedding(max(len(cfg.vocab), 1), d)  # learned instruction embedding
         self.action_in = nn.Linear(cfg.action_dim, d)
         self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
-        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.prefix_gate, cfg.kv_adapter)
+        self.layers = nn.ModuleList([ExpertLayer(d, n_heads, memory, cfg.key_norm, cfg.kv_adapter)
                                      for _ in range(cfg.vla_layers)])
         self.out = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.action_dim))
         self.instr_cond = nn.Embedding(max(len(cfg.vocab), 1), d)  # instruction -> adaLN conditioning
@@ -575,21 +567,13 @@ def save_checkpoint(path, obj):
             os.close(fd)
 
 
-def nonfinite(obj):
+def nonfinite(obj, name=""):
     """Key paths ("model/head.out.1.weight") of the float tensors holding NaN/inf in `obj` (nested dicts, lists,
-    tuples), one host sync for all. Python numbers are not checked: --clip inf is on purpose."""
-    checks = []  # (key path, bool tensor: all finite)
-
-    def walk(x, name):
-        if isinstance(x, (dict, list, tuple)):
-            for k, v in x.items() if isinstance(x, dict) else enumerate(x):
-                walk(v, f"{name}/{k}" if name else str(k))
-        elif torch.is_tensor(x) and torch.is_floating_point(x):
-            checks.append((name, torch.isfinite(x).all()))
-
-    walk(obj, "")
-    ok = torch.stack([c for _, c in checks]).tolist() if checks else []
-    return [n for (n, _), good in zip(checks, ok) if not good]
+    tuples). Python numbers are not checked: --clip inf is on purpose."""
+    if isinstance(obj, (dict, list, tuple)):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return [bad for k, v in items for bad in nonfinite(v, f"{name}/{k}" if name else str(k))]
+    return [name] if torch.is_tensor(obj) and obj.is_floating_point() and not torch.isfinite(obj).all() else []
 
 
 def read_checkpoint(path):
@@ -614,11 +598,11 @@ def read_checkpoint(path):
 
 
 def check_config(ck, path, expect):
-    """The saved host config must have every HostConfig field and hold the values of `expect` (field -> value)."""
-    missing = [f for f in HostConfig.__dataclass_fields__ if f not in ck["config"]]
-    if missing:  # a default filled in here could differ from what the weights were trained with
-        raise ConfigError(f"{path}: its host config lacks {', '.join(missing)}; it was written by an older train.py, "
-                          f"retrain it")
+    """The saved host config must have exactly HostConfig's fields and hold the values of `expect` (field -> value)."""
+    fields = HostConfig.__dataclass_fields__
+    bad = [f"lacks {f}" for f in fields if f not in ck["config"]] + [f"has {f}" for f in ck["config"] if f not in fields]
+    if bad:  # a default filled in here could differ from what the weights were trained with
+        raise ConfigError(f"{path}: its host config {', '.join(bad)}; it was written by another train.py, retrain it")
     for k, v in expect.items():
         if ck["config"][k] != v:
             raise ConfigError(f"{path} was trained with {k}={ck['config'][k]!r}, this run has {k}={v!r}")

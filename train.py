@@ -51,7 +51,7 @@ LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, lib
               libero_90=dict(steps=40000, batch=64, window=32, **LIBERO_HEAD))
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
-VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre", "prefix_gate")
+VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre")
 DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
 PROJECTED = ("mem_heads", "mem_dim")  # native_kv writes the backbone's own heads, without DRAM's projections
 VLA_FEATURES = "h0-hL"  # the vla host's cached features: hidden states h_0 .. h_L (hosts.VLAHost.encode)
@@ -118,8 +118,6 @@ def parser():
                    "expert layer on the backbone keys and values it reads, identity at the start (default: on)")
     p.add_argument("--write-centre", action=argparse.BooleanOptionalAction, help="vla host: the memory writes its "
                    "sources minus their mean over the frame's tokens (default: on)")
-    p.add_argument("--prefix-gate", action="store_true", default=None, help="vla host (ablation): the memory prefix "
-                   "in its own softmax behind a zero-initialised gate, not the expert's joint softmax (default: off)")
     p.add_argument("--flow-steps", type=int, default=HostConfig.flow_steps, help="Euler steps when sampling actions")
     p.add_argument("--mixer", action="store_true", default=None, help="dit host: intra-frame mixer after each fuse "
                    "(default: off)")
@@ -177,7 +175,7 @@ def get_args(argv=None, run_folder=True):
                 f"layer per backbone layer (--vla-layers)")
     lib, c = not (a.suite == data.MEMORY_SUITE or mikasa), HostConfig  # mikasa: the embedded suite's CPU recipe
     a.write_source, a.vla_layers = a.write_source or c.write_source, a.vla_layers or c.vla_layers
-    a.key_norm, a.kv_adapter, a.prefix_gate = a.key_norm is not False, a.kv_adapter is not False, bool(a.prefix_gate)
+    a.key_norm, a.kv_adapter = a.key_norm is not False, a.kv_adapter is not False
     a.write_centre, a.mixer = a.write_centre is not False, bool(a.mixer)
     a.mem_heads = a.mem_heads or recipe.get("mem_heads", c.mem_heads)
     a.mem_dim = a.mem_dim or recipe.get("mem_dim", c.mem_dk)
@@ -207,13 +205,8 @@ def get_args(argv=None, run_folder=True):
 
 def host_config(a, vocab, action_dim):
     """The host a run trains: get_args' settings, the data's instructions and action width."""
-    return HostConfig(host=a.host, memory=a.memory, vision=a.vision, pretrained=a.pretrained,
-                      weights_file=a.weights_file, image_size=a.image_size, action_dim=action_dim, chunk=a.chunk,
-                      vocab=vocab, write_source=a.write_source, mem_depth=a.mem_depth, mixer=a.mixer,
-                      mem_heads=a.mem_heads, mem_dk=a.mem_dim, mem_dv=a.mem_dim, d_model=a.d_model,
-                      head_blocks=a.head_blocks, vla_layers=a.vla_layers, flow_steps=a.flow_steps, pos_code=a.pos_code,
-                      key_norm=a.key_norm, kv_adapter=a.kv_adapter, write_centre=a.write_centre,
-                      prefix_gate=a.prefix_gate)
+    given = {k: getattr(a, k) for k in HostConfig.__dataclass_fields__ if hasattr(a, k)}  # flags named as fields
+    return HostConfig(**given, vocab=vocab, action_dim=action_dim, mem_dk=a.mem_dim, mem_dv=a.mem_dim)
 
 
 RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
