@@ -173,12 +173,15 @@ class MemorySuiteEnv:
         return obs, success, done, dict(outcome=self.env.outcome, touches=touches)
 
     def hidden(self):
-        """What the policy must remember at the current frame, for --trace only (never an observation). Cue tasks:
-        the cue; pad tasks: the presses so far and the leg (out: for the target, back: for the pad). since: frames
-        since it was last set (the cue's last frame, the last press or the episode's start)."""
-        e = self.env
+        """What the policy must remember at the current frame, for --trace only (never an observation). cue_colour:
+        the cue; cue_location: the cued block's table xy (cue_xy, not probed: the blocks' order is arbitrary across
+        layouts, so a class probe of the cue's index reads nothing a memory holds); pad tasks: the presses so far and
+        the leg (out: for the target, back: for the pad). since: frames since it was last set (the cue's last frame,
+        the last press or the episode's start)."""
+        e, since = self.env, self.env.t - (data.CUE_STEPS - 1)
         if e.family == "cue":
-            return dict(cue=e.cue, since=e.t - (data.CUE_STEPS - 1))
+            return dict(cue=e.cue, since=since) if e.p["cue"] == "colour" else dict(cue_xy=e.objs[e.cue].tolist(),
+                                                                                      since=since)
         return dict(presses=e.count, leg="out" if e.armed else "back", since=e.t - self.set_at)
 
     def close(self):

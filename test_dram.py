@@ -1785,13 +1785,15 @@ def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_pat
     runs = {}
     for name, trace in (("plain", False), ("traced", True), ("drawn", True)):
         with mock.patch.dict(sys.modules, {"matplotlib": None} if name == "traced" else {}):
-            ev.evaluate_checkpoints([ck], trials=2, tasks=[0, 2], out=str(tmp_path / name), trace=trace)
+            ev.evaluate_checkpoints([ck], trials=2, tasks=[0, 1, 2], out=str(tmp_path / name), trace=trace)
         runs[name], acts = (np.stack(acts), ev.load_log(tmp_path / name / "episodes.jsonl")), []
     (a0, recs0), (a1, recs1) = runs["plain"], runs["traced"]
     assert np.array_equal(a0, a1) and len(a0) > 40  # round_trip_red's episodes run past cue_colour's 40 frames
     assert [dict(r, wall_s=0) for r in recs0] == [dict(r, wall_s=0) for r in recs1]
     assert not (tmp_path / "traced" / "probe.png").exists() and (tmp_path / "drawn" / "probe.png").stat().st_size
     assert (tmp_path / "traced" / "probe.md").read_text() == (tmp_path / "drawn" / "probe.md").read_text()
+    assert "cue_colour" in (tmp_path / "traced" / "probe.md").read_text() and "cue_location" not in (
+        tmp_path / "traced" / "probe.md").read_text()  # no class probe of a label that carries no location
     traces = [json.loads(line) for line in (tmp_path / "traced" / "trace.jsonl").read_text().splitlines()]
     steps = {(r["task"], r["trial"]): r for r in recs1}
     assert sorted((t["task"], t["trial"]) for t in traces) == sorted(steps)
@@ -1802,6 +1804,8 @@ def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_pat
         assert all(np.shape(layer[k]) == (n, 2) for layer in t["layers"] for k in ev.TRACED)  # [T, H]
         if t["task"] == "cue_colour":
             assert t["hidden"]["cue"] == [env.cue] * n and t["hidden"]["since"] == list(range(-1, n - 1))
+        elif t["task"] == "cue_location":  # where the cued block is: its index among the blocks means nothing
+            assert t["hidden"]["cue_xy"] == [env.objs[env.cue].tolist()] * n and "cue" not in t["hidden"]
         else:  # presses before each frame's step: never down, the episode's end adds at most the last one
             p = t["hidden"]["presses"]
             assert p[0] == 0 and np.all(np.diff(p) >= 0) and r["touches"] - p[-1] in (0, 1)
