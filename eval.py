@@ -178,10 +178,10 @@ class MemorySuiteEnv:
         layouts, so a class probe of the cue's index reads nothing a memory holds); pad tasks: the presses so far and
         the leg (out: for the target, back: for the pad). since: frames since it was last set (the cue's last frame,
         the last press or the episode's start)."""
-        e, since = self.env, self.env.t - (data.CUE_STEPS - 1)
+        e = self.env
         if e.family == "cue":
-            return dict(cue=e.cue, since=since) if e.p["cue"] == "colour" else dict(cue_xy=e.objs[e.cue].tolist(),
-                                                                                      since=since)
+            cue = dict(cue=e.cue) if e.p["cue"] == "colour" else dict(cue_xy=e.objs[e.cue].tolist())
+            return dict(cue, since=e.t - (data.CUE_STEPS - 1))
         return dict(presses=e.count, leg="out" if e.armed else "back", since=e.t - self.set_at)
 
     def close(self):
