@@ -1791,9 +1791,9 @@ def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_pat
     assert np.array_equal(a0, a1) and len(a0) > 40  # round_trip_red's episodes run past cue_colour's 40 frames
     assert [dict(r, wall_s=0) for r in recs0] == [dict(r, wall_s=0) for r in recs1]
     assert not (tmp_path / "traced" / "probe.png").exists() and (tmp_path / "drawn" / "probe.png").stat().st_size
-    assert (tmp_path / "traced" / "probe.md").read_text() == (tmp_path / "drawn" / "probe.md").read_text()
-    assert "cue_colour" in (tmp_path / "traced" / "probe.md").read_text() and "cue_location" not in (
-        tmp_path / "traced" / "probe.md").read_text()  # no class probe of a label that carries no location
+    md = (tmp_path / "traced" / "probe.md").read_text()
+    assert md == (tmp_path / "drawn" / "probe.md").read_text()
+    assert "cue_colour" in md and "cue_location" not in md  # no class probe of a label that carries no location
     traces = [json.loads(line) for line in (tmp_path / "traced" / "trace.jsonl").read_text().splitlines()]
     steps = {(r["task"], r["trial"]): r for r in recs1}
     assert sorted((t["task"], t["trial"]) for t in traces) == sorted(steps)
