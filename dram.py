@@ -39,10 +39,9 @@ def read(Q, S):
 
 
 def sequential_delta_write(S, K, V, beta, gamma):
-    """Reference: the gated delta rule (eq. gated_delta_memory), one token of the frame after the other.
-    S [..., dk, dv], K [..., N, dk] unit rows, V [..., N, dv], beta [..., N], gamma [...]. The retention is applied
-    once per frame, as in the joint write, so N = 1 coincides with it; for N > 1 the result depends on the token
-    order (appendix, counterexample) and joint_write's does not."""
+    """Reference: the gated delta rule (eq. gated_delta_memory), token by token; retention once per frame, so N = 1
+    equals the joint write, and for N > 1 the result depends on the token order (appendix, counterexample).
+    S [..., dk, dv], K [..., N, dk] unit rows, V [..., N, dv], beta [..., N], gamma [...]."""
     S = gamma[..., None, None] * S
     for i in range(K.shape[-2]):
         k, v = K[..., i : i + 1, :], V[..., i : i + 1, :]  # [..., 1, dk], [..., 1, dv]
@@ -121,7 +120,6 @@ class _JointWrite(torch.autograd.Function):
 
 def joint_write_window(S, K, V, w, gamma, frame_valid=None):
     """T consecutive frame-synchronous joint writes, eq. (correction).
-
     S [..., dk, dv], K [..., T, N, dk] unit rows, V [..., T, N, dv], w [..., T, N] >= 0, gamma [..., T] in (0, 1],
     frame_valid [..., T] bool or None. Returns S_1..S_T [..., T, dk, dv] in fp32 (fp64 if an input is fp64).
     A padded frame (frame_valid False) leaves the state untouched, without decay; a valid frame whose weights are
@@ -146,7 +144,6 @@ def joint_write_window(S, K, V, w, gamma, frame_valid=None):
 
 def joint_write(S, K, V, w, gamma, frame_valid=None):
     """One frame-synchronous joint write, eqs. (joint-objective) -> (closed-form) -> (correction).
-
     S [..., dk, dv], K [..., N, dk] unit rows, V [..., N, dv], w [..., N] >= 0, gamma [...], frame_valid [...] bool.
     Returns S_bar + Delta, (I + K^T W K) Delta = K^T W (V - K S_bar), S_bar = gamma S; A^{-1} is never formed."""
     fv = None if frame_valid is None else frame_valid[..., None]
@@ -199,7 +196,6 @@ class IntraFrameMixer(nn.Module):
 
 class DRAMLayer(nn.Module):
     """One memory layer: READ from S_{t-1}, FUSE into the query stream, then WRITE frame t (eqs. prim-read/fuse/write).
-
     x_q [B, T, M, D_Q], x_k [B, T, N, D_K], x_v [B, T, N, D_V]; q_mask [B, T, M], kv_mask [B, T, N] (p_i, True =
     real token); frame_valid [B, T]. The shared-source case passes one tensor three times (M = N)."""
 
@@ -226,11 +222,8 @@ class DRAMLayer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Long retention, half-strength writes, identity fuse.
-
-        Head h starts at gamma_h = exp(-dt_h), dt_h log-uniform over heads in [1e-3, 1e-1] (a_h = 0, u_gamma = 0):
-        time constants of 10 to 1000 frames, the span of a LIBERO episode (20 Hz, up to ~500 frames). Write gate
-        u_beta = b_beta = 0: beta = 0.5, w = 1. f_O = 0: a fresh layer returns X^Q exactly."""
+        """gamma_h = exp(-dt_h), dt_h log-uniform over heads in [1e-3, 1e-1]: time constants of 10 to 1000 frames, a
+        LIBERO episode's span. Write gates u_beta = b_beta = 0: beta = 0.5, w = 1. f_O = 0: a fresh layer returns X^Q."""
         c = self.cfg
         dt = torch.exp(torch.linspace(math.log(1e-3), math.log(1e-1), c.n_heads))
         with torch.no_grad():
@@ -285,7 +278,6 @@ class DRAMLayer(nn.Module):
 
     def forward(self, x_q, x_k, x_v, state, q_mask=None, kv_mask=None, frame_valid=None):
         """A TBPTT window of T frames, in the paper's order per frame: read S_{t-1}, fuse, write.
-
         x_q [B, T, M, D_Q], x_k [B, T, N, D_K], x_v [B, T, N, D_V], state [B, H, dk, dv]. Returns
         (y [B, T, M, D_Q], readout R [B, T, M, H dv], final state [B, H, dk, dv]). Padded frames (frame_valid
         False, past an episode's end) pass through: R = 0, y = x_q, no write."""
