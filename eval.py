@@ -174,14 +174,14 @@ class MemorySuiteEnv:
 
     def hidden(self):
         """What the policy must remember at the current frame, for --trace only (never an observation). cue_colour:
-        the cue; cue_location: the cued block's table xy (cue_xy, not probed: the blocks' order is arbitrary across
-        layouts, so a class probe of the cue's index reads nothing a memory holds); pad tasks: the presses so far and
-        the leg (out: for the target, back: for the pad). since: frames since it was last set (the cue's last frame,
-        the last press or the episode's start)."""
+        the cue; cue_location: the cued block's index among the layout's blocks, whose table xy `blocks` also names
+        (the order is arbitrary across layouts, so the probe reads the cued block's xy); pad tasks: the presses so far
+        and the leg (out: for the target, back: for the pad). since: frames since it was last set (the cue's last
+        frame, the last press or the episode's start)."""
         e = self.env
         if e.family == "cue":
-            cue = dict(cue=e.cue) if e.p["cue"] == "colour" else dict(cue_xy=e.objs[e.cue].tolist())
-            return dict(cue, since=e.t - (data.CUE_STEPS - 1))
+            blocks = {} if e.p["cue"] == "colour" else dict(blocks=e.objs.tolist())  # [n_obj, 2]
+            return dict(cue=e.cue, **blocks, since=e.t - (data.CUE_STEPS - 1))
         return dict(presses=e.count, leg="out" if e.armed else "back", since=e.t - self.set_at)
 
     def close(self):
@@ -475,39 +475,52 @@ class Tracer:
         return dict(hidden=hidden, layers=layers, states=np.stack([f[2] for f in frames]))
 
 
-def ridge_predict(X, y, Xt, lam):
-    """Closed-form ridge regression on one-hot labels, dual form (frames < state entries): X [n, F] standardised,
-    y [n] class ids, Xt [m, F] -> predicted class ids [m]. lam is per feature: the penalty is lam F ||W||^2."""
-    Y = torch.nn.functional.one_hot(y).double()  # [n, K]
-    Y = Y - Y.mean(0)
+def ridge_predict(X, Y, Xt, lam):
+    """Closed-form ridge regression, dual form (frames < state entries): X [n, F] standardised, Y [n, K] targets,
+    Xt [m, F] -> predictions [m, K] of the centred targets Y - mean(Y). lam is per feature: the penalty is
+    lam F ||W||^2."""
     K = (X @ X.T).double()  # [n, n]
-    A = torch.linalg.solve(K + lam * X.shape[1] * torch.eye(len(X), dtype=K.dtype), Y)  # [n, K]
-    return (Xt.double() @ (X.T.double() @ A)).argmax(1)  # [m]
+    A = torch.linalg.solve(K + lam * X.shape[1] * torch.eye(len(X), dtype=K.dtype), Y - Y.mean(0))  # [n, K]
+    return Xt.double() @ (X.T.double() @ A)  # [m, K]
 
 
 def probe(train, test, seed=0, lams=(1e-3, 1e-2, 1e-1, 1.0)):
     """Linear probe of the hidden variable from S_t. train / test: [(states [T, F], labels [T] ids, since [T])] per
-    episode. lam by 2-fold cross-validation over the training episodes. -> {since: (test frames, correct, correct of
-    the probe fit on shuffled labels, frames of the most frequent label)}. The shuffled control permutes the labels
-    among the training frames with the same `since`: what a state that holds nothing about them would reach."""
+    episode, or [(..., points [T, C, 2])] when a label indexes points whose order is arbitrary (cue_location's
+    blocks). Labels: ridge on one-hot targets, the answer the largest output; points: ridge on the labelled point's
+    xy, the answer the point nearest the prediction. lam by 2-fold cross-validation over the training episodes. ->
+    {since: (test frames, correct, correct of the probe fit on shuffled targets, chance)}, chance: the frames of the
+    most frequent label, or for points the frames the training mean xy names. The shuffled control permutes the
+    targets among the training frames with the same `since`: what a state that holds nothing about them reaches."""
     cat = lambda eps, j: torch.as_tensor(np.concatenate([e[j] for e in eps]))  # noqa: E731
     X, y, since = cat(train, 0).float(), cat(train, 1), cat(train, 2)  # [n, F], [n], [n]
     mu, sd = X.mean(0), X.std(0) + 1e-6  # the training half's statistics only
     X, Xt = (X - mu) / sd, (cat(test, 0).float() - mu) / sd
+    yt, st = cat(test, 1), cat(test, 2)  # [m], [m]
+    if len(train[0]) > 3:  # points: Y the labelled point's xy, the answer the point nearest the prediction
+        pts, P = cat(train, 3).double(), cat(test, 3).double()  # [n, C, 2], [m, C, 2]
+        Y = pts[torch.arange(len(y)), y]  # [n, 2]
+        answer = lambda pred, Y, P: (P - (pred + Y.mean(0))[:, None]).norm(dim=-1).argmin(1)  # noqa: E731
+    else:
+        pts = P = None
+        Y = torch.nn.functional.one_hot(y).double()  # [n, K]
+        answer = lambda pred, Y, P: pred.argmax(1)  # noqa: E731
     ep = torch.cat([torch.full((len(e[1]),), k % 2) for k, e in enumerate(train)])  # [n] fold of each frame
-    def fit(labels):
-        errors = [sum((ridge_predict(X[ep != f], labels[ep != f], X[ep == f], lam) != labels[ep == f]).sum()
+    def fit(targets):
+        ref = answer(targets - targets.mean(0), targets, pts)  # [n] what the targets themselves name
+        errors = [sum((answer(ridge_predict(X[ep != f], targets[ep != f], X[ep == f], lam), targets[ep != f],
+                              None if pts is None else pts[ep == f]) != ref[ep == f]).sum()
                       for f in (0, 1)) for lam in lams] if len(train) > 1 else [0]
-        return ridge_predict(X, labels, Xt, lams[int(np.argmin(errors))])
+        return answer(ridge_predict(X, targets, Xt, lams[int(np.argmin(errors))]), targets, P)
     g = torch.Generator().manual_seed(seed)
-    shuffled = y.clone()
+    shuffled = Y.clone()
     for s in since.unique():
         at = torch.nonzero(since == s)[:, 0]
-        shuffled[at] = y[at[torch.randperm(len(at), generator=g)]]
-    yt, st = cat(test, 1), cat(test, 2)  # [m], [m]
-    hit, hit_shuffled = fit(y) == yt, fit(shuffled) == yt
+        shuffled[at] = Y[at[torch.randperm(len(at), generator=g)]]
+    hit, hit_shuffled = fit(Y) == yt, fit(shuffled) == yt
+    chance = None if P is None else yt == answer(torch.zeros(len(yt), Y.shape[1], dtype=Y.dtype), Y, P)
     return {int(s): (int((st == s).sum()), int(hit[st == s].sum()), int(hit_shuffled[st == s].sum()),
-                     int(yt[st == s].bincount().max())) for s in st.unique()}
+                     int(yt[st == s].bincount().max() if P is None else chance[st == s].sum())) for s in st.unique()}
 
 
 def probe_traces(traces, trials):
@@ -520,17 +533,21 @@ def probe_traces(traces, trials):
         if key is None or len(eps) < 2:
             continue
         classes = sorted({v for tr in eps.values() for v in tr["hidden"][key]})
+        points = "blocks" in next(iter(eps.values()))["hidden"]  # the label indexes them: keep it, probe their xy
         split = max(1, min(trials, len(eps)) // 2)
-        rows = {k: (tr["states"], np.array([classes.index(v) for v in tr["hidden"][key]]),
-                    np.array(tr["hidden"]["since"])) for k, tr in eps.items()}
-        out[task] = dict(variable=key, classes=len(classes), bins=probe([r for k, r in rows.items() if k < split],
-                                                                        [r for k, r in rows.items() if k >= split]))
+        label = (lambda v: v) if points else classes.index
+        rows = {k: (tr["states"], np.array([label(v) for v in tr["hidden"][key]]), np.array(tr["hidden"]["since"]),
+                    *([np.array(tr["hidden"]["blocks"])] if points else [])) for k, tr in eps.items()}  # [T, C, 2]
+        train, test = [r for k, r in rows.items() if k < split], [r for k, r in rows.items() if k >= split]
+        out[task] = dict(variable=f"{key} (block xy)" if points else key, classes=len(classes),
+                         bins=probe(train, test))
     return out
 
 
 def probe_table(probes, bin_width=5):
     """-> markdown: per task, accuracy by frames since the variable was set (bins of bin_width), the shuffled-label
-    control and chance (the most frequent label's share of those test frames); and over the frames after it."""
+    control and chance (the most frequent label's share of those test frames; for points, the share where the training
+    mean xy names the right one); and over the frames after it."""
     pct = lambda a, b: f"{100 * a / max(b, 1):.1f}"  # noqa: E731
     lines = ["| task | variable | frames since set | test frames | probe % | shuffled-label probe % | chance % |",
              "|---" * 7 + "|"]

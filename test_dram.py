@@ -1793,7 +1793,7 @@ def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_pat
     assert not (tmp_path / "traced" / "probe.png").exists() and (tmp_path / "drawn" / "probe.png").stat().st_size
     md = (tmp_path / "traced" / "probe.md").read_text()
     assert md == (tmp_path / "drawn" / "probe.md").read_text()
-    assert "cue_colour" in md and "cue_location" not in md  # no class probe of a label that carries no location
+    assert "| cue_colour | cue |" in md and "| cue_location | cue (block xy) |" in md
     traces = [json.loads(line) for line in (tmp_path / "traced" / "trace.jsonl").read_text().splitlines()]
     steps = {(r["task"], r["trial"]): r for r in recs1}
     assert sorted((t["task"], t["trial"]) for t in traces) == sorted(steps)
@@ -1804,8 +1804,8 @@ def test_tracing_changes_no_action_and_logs_the_hidden_variable(trained, tmp_pat
         assert all(np.shape(layer[k]) == (n, 2) for layer in t["layers"] for k in ev.TRACED)  # [T, H]
         if t["task"] == "cue_colour":
             assert t["hidden"]["cue"] == [env.cue] * n and t["hidden"]["since"] == list(range(-1, n - 1))
-        elif t["task"] == "cue_location":  # where the cued block is: its index among the blocks means nothing
-            assert t["hidden"]["cue_xy"] == [env.objs[env.cue].tolist()] * n and "cue" not in t["hidden"]
+        elif t["task"] == "cue_location":  # the cued block's index among this layout's blocks, and their xy
+            assert t["hidden"]["cue"] == [env.cue] * n and t["hidden"]["blocks"] == [env.objs.tolist()] * n
         else:  # presses before each frame's step: never down, the episode's end adds at most the last one
             p = t["hidden"]["presses"]
             assert p[0] == 0 and np.all(np.diff(p) >= 0) and r["touches"] - p[-1] in (0, 1)
@@ -1846,7 +1846,8 @@ def test_traced_gates_equal_an_independent_recomputation(trained):
 
 def test_probe_decodes_what_the_states_hold_and_nothing_else():
     """The ridge probe decodes a label the states carry, from held-out episodes; with labels the states do not carry
-    (the shuffled-label control, or noise states) its accuracy is chance: the most frequent test label's share."""
+    (the shuffled-label control, or noise states) its accuracy is chance: the most frequent test label's share. The
+    same for a label that indexes a new layout's points (cue_location): chance is the point nearest the mean xy."""
     g = np.random.default_rng(0)
     centres = g.standard_normal((3, 64))  # [K, F] what a state holds of each label
 
@@ -1858,11 +1859,20 @@ def test_probe_decodes_what_the_states_hold_and_nothing_else():
             eps.append((X.astype(np.float16), y, np.arange(6)))
         return eps
 
-    for signal, decodes in ((1.0, True), (0.0, False)):
-        bins = ev.probe(episodes(120, signal), episodes(120, signal), seed=1)
-        n, ok, ok_shuffled, chance = np.sum(list(bins.values()), 0)
-        assert abs(ok_shuffled - chance) / n < 0.12, (ok_shuffled, chance, n)  # 120 test episodes: sd 0.04
-        assert (ok / n > 0.95) if decodes else abs(ok - chance) / n < 0.12, (signal, ok, chance, n)
+    def located(n, signal):  # cue_location: 3 blocks at random xy, the state holds the cued one's xy (or not)
+        eps = []
+        for _ in range(n):
+            blocks, y = g.uniform(0.1, 0.9, (3, 2)), g.integers(3)  # [C, 2], the cued block
+            X = signal * blocks[y] @ centres[:2] + 0.05 * g.standard_normal((6, 64))  # [T, F] linear in its xy
+            eps.append((X.astype(np.float16), np.full(6, y), np.arange(6), np.broadcast_to(blocks, (6, 3, 2))))
+        return eps
+
+    for make in (episodes, located):
+        for signal, decodes in ((1.0, True), (0.0, False)):
+            bins = ev.probe(make(120, signal), make(120, signal), seed=1)
+            n, ok, ok_shuffled, chance = np.sum(list(bins.values()), 0)
+            assert abs(ok_shuffled - chance) / n < 0.12, (make, ok_shuffled, chance, n)  # 120 test episodes: sd 0.04
+            assert (ok / n > 0.95) if decodes else abs(ok - chance) / n < 0.12, (make, signal, ok, chance, n)
 
 
 def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsys):
