@@ -529,11 +529,12 @@ def probe_traces(traces, trials):
     out = {}
     for task in dict.fromkeys(t for t, _ in traces):
         eps = {k: tr for (t, k), tr in sorted(traces.items()) if t == task}
-        key = next((k for k in PROBED if k in next(iter(eps.values()))["hidden"]), None)
+        hidden = next(iter(eps.values()))["hidden"]  # the task's variables, as its first episode names them
+        key = next((k for k in PROBED if k in hidden), None)
         if key is None or len(eps) < 2:
             continue
         classes = sorted({v for tr in eps.values() for v in tr["hidden"][key]})
-        points = "blocks" in next(iter(eps.values()))["hidden"]  # the label indexes them: keep it, probe their xy
+        points = "blocks" in hidden  # the label indexes them: keep it, probe their xy
         split = max(1, min(trials, len(eps)) // 2)
         label = (lambda v: v) if points else classes.index
         rows = {k: (tr["states"], np.array([label(v) for v in tr["hidden"][key]]), np.array(tr["hidden"]["since"]),
