@@ -691,6 +691,18 @@ def rollout_expert(env, seed, noise=EXPERT_NOISE, cue=None):
     return dict(ep, actions=np.stack(acts).astype(np.float32), success=env.success)
 
 
+def _check_existing(path, want, options):
+    """A demo file that is kept (not --overwrite): a DataError naming it if a data.attrs value differs from `want`
+    {attr: value, None: any value}, with the data.py options that write it again."""
+    with _h5_errors(path), h5py.File(path, "r") as f:
+        _demo_names(f, path)  # a file without a 'data' group or demos is named as such, not as outdated
+        have = dict(f["data"].attrs)
+    if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
+                if w is not None and have.get(k) != w]:
+        raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py {options}` or use another data "
+                        "root")
+
+
 def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size=None, seed=0, tasks=None,
                           overwrite=False, progress=True, write=True):
     """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout), every demo an expert success. Existing files are
@@ -712,14 +724,8 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
                         f"into its default --data {DEFAULT_DATA_ROOT} only)")
     for task, path in paths.items():
         if path.exists() and not overwrite:
-            with _h5_errors(path), h5py.File(path, "r") as f:
-                _demo_names(f, path)  # a file without a 'data' group or demos is named as such, not as outdated
-                have = dict(f["data"].attrs)
-            want = {"suite_version": MEMORY_SUITE_VERSION, "img_size": img_size, "num_demos": n_episodes}
-            if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
-                        if w is not None and have.get(k) != w]:
-                raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite memory --out "
-                                f"{data_root} --overwrite{sizes}` or use another data root")
+            _check_existing(path, {"suite_version": MEMORY_SUITE_VERSION, "img_size": img_size,
+                                   "num_demos": n_episodes}, f"--suite memory --out {data_root} --overwrite{sizes}")
             continue
         size = img_size or 64
         env, ti = MemoryEnv(task, size), list(MEMORY_TASKS).index(task)  # ti: seeds do not depend on the subset
@@ -891,33 +897,21 @@ def rollout_mikasa_expert(env, seed, target, noise=MIKASA_NOISE):
 
 
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
-                          write=True, suite=MIKASA_SUITE):
+                          suite=MIKASA_SUITE):
     """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
     seeds 0, 1, ..., each seed's layout with MIKASA_TARGETS_PER_LAYOUT different targets (failures are skipped and
-    counted: data.attrs expert_success). Same rules for existing files as
-    generate_memory_suite."""
+    counted: data.attrs expert_success). An existing file is kept, or refused as generate_memory_suite does."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     sizes = "" if n_episodes is None else f" --episodes {n_episodes}"
     if other := [t for t in tasks or () if t not in MIKASA_SUITES[suite]]:
         raise DataError(f"--tasks {' '.join(other)}: not a task of --suite {suite} ({', '.join(MIKASA_SUITES[suite])})")
     paths = {t: Path(data_root) / suite / f"{t}_demo.hdf5" for t in tasks or MIKASA_SUITES[suite]}
-    missing = [p.name for p in paths.values() if not p.exists()]
-    if missing and not write:
-        raise DataError(f"{Path(data_root) / suite} lacks {', '.join(missing)}; write them with `python "
-                        f"data.py --suite {suite} --out {data_root}{sizes}` (train.py generates the demos into its "
-                        f"default --data {DEFAULT_DATA_ROOT} only)")
     todo = []
     for task, path in paths.items():
         if path.exists() and not overwrite:
-            with _h5_errors(path), h5py.File(path, "r") as f:
-                _demo_names(f, path)
-                have = dict(f["data"].attrs)
-            want = {"suite_version": MIKASA_VERSION, "num_demos": n_episodes}
-            if diff := [f"data.attrs['{k}'] = {have.get(k)} (wanted: {w})" for k, w in want.items()
-                        if w is not None and have.get(k) != w]:
-                raise DataError(f"{path}: {', '.join(diff)}; regenerate with `python data.py --suite {suite} --out "
-                                f"{data_root} --overwrite{sizes}` or use another data root")
+            _check_existing(path, {"suite_version": MIKASA_VERSION, "num_demos": n_episodes},
+                            f"--suite {suite} --out {data_root} --overwrite{sizes}")
             continue
         todo.append((task, path, n_episodes or MIKASA_EPISODES, progress, len(todo)))
     workers = min(len(todo), os.cpu_count() or 1)
