@@ -896,6 +896,11 @@ def rollout_mikasa_expert(env, seed, target, noise=MIKASA_NOISE):
     return dict(ep, actions=np.stack(acts).astype(np.float32), success=env.success)
 
 
+def mikasa_layout_targets(task, seed):
+    """The candidates that the expert's demos at env seed `seed` take as their targets, in the order it tries them."""
+    return np.random.default_rng([seed, 5]).permutation(MIKASA_TASKS[task][2])[:MIKASA_TARGETS_PER_LAYOUT]
+
+
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
                           suite=MIKASA_SUITE):
     """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
@@ -926,12 +931,12 @@ def _mikasa_task_demos(task, path, n, progress=True, position=0):
     """One task's demos into `path`: expert episodes at env seeds 0, 1, ..., each with MIKASA_TARGETS_PER_LAYOUT
     different targets, until n succeeded."""
     os.environ.setdefault("LP_NUM_THREADS", "1")  # lavapipe's rasteriser threads: one per process, one per core
-    env, eps, seed, attempts, k = MikasaEnv(task), [], 0, 0, MIKASA_TASKS[task][2]
+    env, eps, seed, attempts = MikasaEnv(task), [], 0, 0
     with tqdm(total=n, desc=f"mikasa/{task}", disable=not progress, position=position) as bar:
         while len(eps) < n:
             if seed >= MIKASA_START_SEED:
                 raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
-            for target in np.random.default_rng([seed, 5]).permutation(k)[:MIKASA_TARGETS_PER_LAYOUT]:
+            for target in mikasa_layout_targets(task, seed):
                 if len(eps) == n:
                     break
                 ep = rollout_mikasa_expert(env, seed, int(target))

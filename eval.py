@@ -190,17 +190,22 @@ class MemorySuiteEnv:
 
 class MikasaSuiteEnv:
     """data.MikasaEnv by MIKASA-Robo's canonical protocol: trial k is env seed MIKASA_START_SEED + k, whatever --seed
-    (which seeds the policy's noise only). The step info says how a failed episode ended, from the tool's last
-    position: near_target (within 8 cm of the target, but never within 5 cm and still), wrong_candidate (within 5 cm
-    of another candidate) or elsewhere."""
+    (which seeds the policy's noise only). demo_layouts (a check of fit, not the protocol): trial k replays the
+    expert's k-th demo attempt instead, its env seed and target (data.mikasa_layout_targets). The step info says how a
+    failed episode ended, from the tool's last position: near_target (within 8 cm of the target, but never within 5 cm
+    and still), wrong_candidate (within 5 cm of another candidate) or elsewhere."""
 
-    def __init__(self, task_id, suite=data.MIKASA_SUITE, seed=None, image_size=128):
+    def __init__(self, task_id, suite=data.MIKASA_SUITE, seed=None, image_size=128, demo_layouts=False):
         if image_size != 128:
             raise hosts.ConfigError(f"MIKASA-Robo renders 128 px; this checkpoint was trained on {image_size} px")
-        self.task_id, self.env = task_id, data.MikasaEnv(list(data.MIKASA_SUITES[suite])[task_id])
+        self.task_id, self.task = task_id, list(data.MIKASA_SUITES[suite])[task_id]
+        self.env, self.demo_layouts = data.MikasaEnv(self.task), demo_layouts
         self.max_steps = self.env.max_steps
 
     def reset(self, trial):
+        if self.demo_layouts:  # data.py's order of attempts, whether or not the expert's succeeded
+            seed, j = divmod(trial, data.MIKASA_TARGETS_PER_LAYOUT)
+            return self.env.reset(seed, int(data.mikasa_layout_targets(self.task, seed)[j]))
         return self.env.reset(data.MIKASA_START_SEED + trial)
 
     def step(self, action):
@@ -786,7 +791,8 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
 
 
 def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
-                         num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None, trace=False):
+                         num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None, trace=False,
+                         demo_layouts=False):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
     then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every> (trace_... with trace). The parameters
@@ -800,19 +806,25 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
             raise hosts.ConfigError(f"--trace: {ck} has no memory to trace (trained with --memory none)")
     if suite not in LIBERO_MAX_STEPS and max_steps:
         raise hosts.ConfigError(f"--max-steps: a LIBERO setting; {suite}'s tasks have their own step limits")
-    common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps)
+    if demo_layouts and suite not in data.MIKASA_SUITES:
+        raise hosts.ConfigError(f"--demo-layouts: MIKASA suites only, not --suite {suite} (the embedded suite's demos "
+                                f"are --seed 0's layouts; LIBERO's initial states are not the demos')")
+    common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps,
+                  **({"demo_layouts": True} if demo_layouts else {}))  # logs written without it stay resumable
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
     running = policies or {"zero": ZeroPolicy()}
     instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
     for i, (name, policy) in enumerate(running.items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
-        where = (os.path.join(ck_dir, f"{'trace' if trace else 'eval'}_{suite}_L{reset_every}") if out is None
+        folder = f"{'trace' if trace else 'eval'}_{suite}{'_demos' if demo_layouts else ''}_L{reset_every}"
+        where = (os.path.join(ck_dir, folder) if out is None
                  else out if len(policies) < 2 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
             env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
         elif suite in data.MIKASA_SUITES:
-            env, n, processes = functools.partial(MikasaSuiteEnv, suite=suite), num_envs, num_envs > 1
+            env = functools.partial(MikasaSuiteEnv, suite=suite, demo_layouts=demo_layouts)
+            n, processes = num_envs, num_envs > 1
         else:
             env, n, processes = functools.partial(LiberoEnv, suite=suite, max_steps=max_steps), num_envs, num_envs > 1
         # rendered as the policy's training frames were
@@ -852,7 +864,11 @@ def parser():
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
                    "step eagerly instead of replaying CUDA graphs (default: graphs on)")
     p.add_argument("--out", help="output folder for episodes.jsonl (a re-run resumes it), results.md, summary.json "
-                   "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_<suite>_L<reset-every>)")
+                   "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_..., with --demo-layouts "
+                   "eval_<suite>_demos_...)")
+    p.add_argument("--demo-layouts", action="store_true", help="a check of fit, not the benchmark: the training "
+                   "demos' layouts instead of unseen ones, MIKASA suites only: trial k replays the expert's k-th demo "
+                   "attempt, its env seed and target (the embedded suite's demos: --seed 0) (default: off)")
     p.add_argument("--trace", action="store_true", help="also write, per episode and frame, each memory layer's and "
                    "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of that "
                    "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without "

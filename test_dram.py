@@ -1901,7 +1901,7 @@ def test_command_line_defaults_and_one_line_user_errors(trained, tmp_path, capsy
               (["--suite", "libero_100"], "--suite"), (["--ckpt", ck, "--max-steps", "3"], "--max-steps"),
               (["--suite", "libero_10", "--replan", "0"], "--replan"), (["--reset-every", "-1"], "--reset-every"),
               (["--ckpt", ck, "--device", "foo"], "--device foo"), (["--ckpt", str(tmp_path / "fewer.pt")], "count_2"),
-              (["--suite", "libero_10", "--trace"], "--trace"),
+              (["--suite", "libero_10", "--trace"], "--trace"), (["--ckpt", ck, "--demo-layouts"], "--demo-layouts"),
               (["--ckpt", ck, "--trace", "--out", str(tmp_path)], "--trace")]  # a log traced without its states
     for argv, named in cases:
         err = usage_error(ev.main, argv + ([] if "--out" in argv else ["--out", str(tmp_path / "ev")]), capsys)
@@ -2078,7 +2078,7 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             made.append(self)
-            env, self.pairs = self.env.env, []
+            env, self.pairs, self.starts = self.env.env, [], []
             reset, step = env.reset, env.step
             env.reset = lambda seed, **k: seeds.append(seed) or self._keep(reset(seed=seed, **k))
             env.step = lambda action: self._keep(step(action))
@@ -2086,6 +2086,10 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
         def _keep(self, out):
             self.raw = {k: v[0].cpu().numpy() for k, v in out[0].items()}  # rgb [128, 128, 6], proprio [7]
             return out
+
+        def reset(self, trial):
+            self.starts.append(super().reset(trial))
+            return self.starts[-1]
 
         def step(self, action):
             out = super().step(action)
@@ -2106,6 +2110,15 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
                                                                           np.sin(raw["proprio"][3])], atol=1e-5)
         assert 0 <= state[3] < 2 * np.pi and abs(state[3] - np.pi) < 1  # roll near pi, away from the wrap
         np.testing.assert_allclose(state[6] - state[7], raw["proprio"][6], atol=1e-6)
+    # --demo-layouts: trial k starts exactly as demo k did (seed 0's layout, its k-th target: the same cue frame)
+    ev.main(["--suite", "mikasa", "--ckpt", ck, "--tasks", "0", "--trials", "2", "--demo-layouts", "--out",
+             str(tmp_path / "ev_demos")])
+    assert seeds[1:] == [0, 0] and all(r["demo_layouts"] for r in ev.load_log(tmp_path / "ev_demos/episodes.jsonl"))
+    for start, d in zip(made[1].starts, demos, strict=True):
+        images, state = data.policy_frame(start)
+        np.testing.assert_array_equal(images["agentview_rgb"], d.images["agentview_rgb"][0])
+        np.testing.assert_array_equal(images["eye_in_hand_rgb"], d.images["eye_in_hand_rgb"][0])
+        np.testing.assert_allclose(state, d.state[0], atol=1e-6)
 
     class Expert:  # the privileged expert as an eval.py policy: the episode ends at its first success
         def reset(self, rows, new_episode, rngs=None):
