@@ -68,16 +68,20 @@ def task_name(path):
     return Path(path).name.removesuffix("_demo.hdf5")
 
 
-def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
-    """Sorted `<data_root>/<suite>/*_demo.hdf5`. Missing memory-suite files are generated first (**memory_kwargs) if
-    generate, by default only into DEFAULT_DATA_ROOT: a folder the user names is only read. A missing file or LIBERO
-    folder is an error naming the command that writes or downloads it."""
+def find_demo_files(data_root, suite, generate=None, tasks=None, **memory_kwargs):
+    """Sorted `<data_root>/<suite>/*_demo.hdf5`, or those of the task names `tasks` only (task_name). Missing
+    memory-suite files are generated first (**memory_kwargs) if generate, by default only into DEFAULT_DATA_ROOT: a
+    folder the user names is only read. A missing file or LIBERO folder is an error naming the command that writes or
+    downloads it."""
     if generate is None:
         generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
+    known = MEMORY_TASKS if suite == MEMORY_SUITE else MIKASA_SUITES.get(suite)  # LIBERO's: its files
+    if known and (other := [t for t in tasks or () if t not in known]):
+        raise DataError(f"--tasks {other[0]}: not a task of --suite {suite} ({', '.join(known)})")
     if suite == MEMORY_SUITE:
-        generate_memory_suite(data_root, write=generate, **memory_kwargs)
+        generate_memory_suite(data_root, write=generate, tasks=tasks, **memory_kwargs)
     elif suite in MIKASA_SUITES and generate:  # a folder the user names may hold a subset of the tasks
-        generate_mikasa_suite(data_root, memory_kwargs.get("n_episodes"), suite=suite)
+        generate_mikasa_suite(data_root, memory_kwargs.get("n_episodes"), tasks=tasks, suite=suite)
     folder = Path(data_root) / suite
     if not (files := sorted(folder.glob("*_demo.hdf5"))):
         dl = "libero_100" if suite in ("libero_10", "libero_90") else suite  # both come in libero_100
@@ -89,7 +93,10 @@ def find_demo_files(data_root, suite, generate=None, **memory_kwargs):
                         f"download_libero_datasets.py --datasets {dl} --use-huggingface` (github.com/Lifelong-Robot-"
                         "Learning/LIBERO) and pass the download folder as the data root (<data_root>/<suite>/<task "
                         "name>_demo.hdf5). The embedded suite needs no download: --suite memory.")
-    return files
+    if missing := [t for t in tasks or () if t not in map(task_name, files)]:
+        raise DataError(f"--tasks {missing[0]}: {folder} has no {missing[0]}_demo.hdf5 (its tasks: "
+                        f"{', '.join(map(task_name, files))})")
+    return [f for f in files if not tasks or task_name(f) in tasks]
 
 
 @contextlib.contextmanager

@@ -2323,6 +2323,22 @@ def test_readme_data_command_writes_a_suite_train_py_reads(tmp_path, capsys):
     assert capsys.readouterr().out.count("3 demos") == len(data.MEMORY_TASKS)
 
 
+def test_train_tasks_reads_and_writes_only_those_tasks(tmp_path, capsys):
+    """--tasks: only the named tasks' demo files are generated and trained on (the checkpoint knows those tasks);
+    a name that is not the suite's, or whose file the folder lacks, is one line naming it (exit 2)."""
+    two = ["count_2", "cue_colour"]
+    files = data.find_demo_files(tmp_path, "memory", generate=True, tasks=two[::-1], n_episodes=3, progress=False)
+    assert [data.task_name(f) for f in files] == two and sorted(os.listdir(tmp_path / "memory")) == [
+        f"{t}_demo.hdf5" for t in two]  # the other tasks were not written
+    argv = ["--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--steps", "1"] + TINY
+    ck = train.main(argv + ["--tasks", "cue_colour", "--out", str(tmp_path / "run")])
+    assert list(torch.load(ck, weights_only=True)["instructions"]) == ["cue_colour"]
+    for task in ("nope", "count_3"):  # not a task of the suite; not in the folder
+        err = usage_error(train.main, argv + ["--tasks", task, "--out", str(tmp_path / task)], capsys)
+        assert task in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert not (tmp_path / "memory" / "count_3_demo.hdf5").exists()
+
+
 def test_readme_equation_table_names_exist():
     """Every code name in README's equation-to-code table exists (module.attr, Class.attr of dram, or a file)."""
     table = readme_section("Where each equation lives")

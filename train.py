@@ -75,6 +75,8 @@ def parser():
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
+    p.add_argument("--tasks", nargs="+", help="train on these tasks of --suite only: their names, as in <data>/<suite>/"
+                   "<name>_demo.hdf5 (default: all the folder holds)")
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
     p.add_argument("--vision", help=f"timm tower (default: {HostConfig.vision}; LIBERO vit_small_patch16_224.dino)")
@@ -393,10 +395,10 @@ def run(argv=None):
     if ck is not None and ck["world"] != world:
         raise ConfigError(f"--resume: {ckpt_path} was trained by {ck['world']} process(es), this run has {world}: "
                           f"each process resumes its own streams")
-    files = data.find_demo_files(a.data, a.suite, n_episodes=a.episodes) if rank == 0 else None
+    files = data.find_demo_files(a.data, a.suite, tasks=a.tasks, n_episodes=a.episodes) if rank == 0 else None
     if world > 1:  # rank 0 generates the embedded suite once; the others wait for it
         wait()
-        files = data.find_demo_files(a.data, a.suite, generate=False)
+        files = data.find_demo_files(a.data, a.suite, generate=False, tasks=a.tasks)
     instructions, Da, frame_hw = scan(files)
     vocab = sorted(set(instructions.values()))  # one embedding per distinct instruction (tasks may share one)
     cfg = host_config(a, tuple(vocab), Da)
@@ -404,7 +406,7 @@ def run(argv=None):
         check_config(ck, ckpt_path, {k: v for k, v in dataclasses.asdict(cfg).items() if k != "weights_file"})
         if ck["instructions"] != instructions:
             raise ConfigError(f"--resume: {ckpt_path} was trained on the tasks {sorted(ck['instructions'])}, --data "
-                              f"{a.data} holds {sorted(instructions)}; pass the saved run's --data")
+                              f"{a.data} gives {sorted(instructions)}; pass the saved run's --data and --tasks")
     host = make_host(a.host, cfg).to(dev)  # the same seed on every rank: the same initial weights
     if world > 1:  # then each rank its own draws of tau and noise
         torch.manual_seed(a.seed + rank)
