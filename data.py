@@ -70,14 +70,13 @@ def task_name(path):
 
 def find_demo_files(data_root, suite, generate=None, tasks=None, **memory_kwargs):
     """Sorted `<data_root>/<suite>/*_demo.hdf5`, or those of the task names `tasks` only (task_name). Missing
-    memory-suite files are generated first (**memory_kwargs) if generate, by default only into DEFAULT_DATA_ROOT: a
-    folder the user names is only read. A missing file or LIBERO folder is an error naming the command that writes or
-    downloads it."""
+    memory-suite or MIKASA files (of `tasks` only) are generated first (**memory_kwargs) if generate, by default only
+    into DEFAULT_DATA_ROOT: a folder the user names is only read. A task name the suite lacks, a missing file or LIBERO
+    folder is a DataError naming the command that writes or downloads it."""
     if generate is None:
         generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
-    known = MEMORY_TASKS if suite == MEMORY_SUITE else MIKASA_SUITES.get(suite)  # LIBERO's: its files
-    if known and (other := [t for t in tasks or () if t not in known]):
-        raise DataError(f"--tasks {other[0]}: not a task of --suite {suite} ({', '.join(known)})")
+    if suite == MEMORY_SUITE or suite in MIKASA_SUITES:  # LIBERO: checked against the folder's files below
+        check_tasks(suite, tasks)
     if suite == MEMORY_SUITE:
         generate_memory_suite(data_root, write=generate, tasks=tasks, **memory_kwargs)
     elif suite in MIKASA_SUITES and generate:  # a folder the user names may hold a subset of the tasks
@@ -93,10 +92,19 @@ def find_demo_files(data_root, suite, generate=None, tasks=None, **memory_kwargs
                         f"download_libero_datasets.py --datasets {dl} --use-huggingface` (github.com/Lifelong-Robot-"
                         "Learning/LIBERO) and pass the download folder as the data root (<data_root>/<suite>/<task "
                         "name>_demo.hdf5). The embedded suite needs no download: --suite memory.")
-    if missing := [t for t in tasks or () if t not in map(task_name, files)]:
-        raise DataError(f"--tasks {missing[0]}: {folder} has no {missing[0]}_demo.hdf5 (its tasks: "
-                        f"{', '.join(map(task_name, files))})")
-    return [f for f in files if not tasks or task_name(f) in tasks]
+    names = [task_name(f) for f in files]
+    if missing := [t for t in tasks or () if t not in names]:
+        write = f"write it with `python data.py --suite {suite} --tasks {missing[0]} --out {data_root}` or "
+        raise DataError(f"--tasks {missing[0]}: {folder} has no {missing[0]}_demo.hdf5 (it has {', '.join(names)}); "
+                        f"{write if suite in MIKASA_SUITES else ''}drop it from --tasks")
+    return [f for f, name in zip(files, names) if not tasks or name in tasks]
+
+
+def check_tasks(suite, tasks):
+    """Task names (None: all) of the embedded or a MIKASA suite; another name is a DataError listing the suite's."""
+    known = MEMORY_TASKS if suite == MEMORY_SUITE else MIKASA_SUITES[suite]
+    if other := [t for t in tasks or () if t not in known]:
+        raise DataError(f"--tasks {' '.join(other)}: not a task of --suite {suite} ({', '.join(known)})")
 
 
 @contextlib.contextmanager
@@ -903,9 +911,11 @@ def rollout_mikasa_expert(env, seed, target, noise=MIKASA_NOISE):
     return dict(ep, actions=np.stack(acts).astype(np.float32), success=env.success)
 
 
-def mikasa_layout_targets(task, seed):
-    """The candidates that the expert's demos at env seed `seed` take as their targets, in the order it tries them."""
-    return np.random.default_rng([seed, 5]).permutation(MIKASA_TASKS[task][2])[:MIKASA_TARGETS_PER_LAYOUT]
+def mikasa_attempt(task, k):
+    """The expert's k-th demo attempt at `task` -> (env seed, target): env seeds 0, 1, ... in turn, each layout with
+    MIKASA_TARGETS_PER_LAYOUT different targets (every task has at least that many candidates)."""
+    seed, j = divmod(k, MIKASA_TARGETS_PER_LAYOUT)
+    return seed, int(np.random.default_rng([seed, 5]).permutation(MIKASA_TASKS[task][2])[j])
 
 
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
@@ -916,8 +926,7 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     sizes = "" if n_episodes is None else f" --episodes {n_episodes}"
-    if other := [t for t in tasks or () if t not in MIKASA_SUITES[suite]]:
-        raise DataError(f"--tasks {' '.join(other)}: not a task of --suite {suite} ({', '.join(MIKASA_SUITES[suite])})")
+    check_tasks(suite, tasks)
     paths = {t: Path(data_root) / suite / f"{t}_demo.hdf5" for t in tasks or MIKASA_SUITES[suite]}
     todo = []
     for task, path in paths.items():
@@ -935,24 +944,20 @@ def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=No
 
 
 def _mikasa_task_demos(task, path, n, progress=True, position=0):
-    """One task's demos into `path`: expert episodes at env seeds 0, 1, ..., each with MIKASA_TARGETS_PER_LAYOUT
-    different targets, until n succeeded."""
+    """One task's demos into `path`: the expert's attempts (mikasa_attempt) in turn until n succeeded."""
     os.environ.setdefault("LP_NUM_THREADS", "1")  # lavapipe's rasteriser threads: one per process, one per core
-    env, eps, seed, attempts = MikasaEnv(task), [], 0, 0
+    env, eps, attempts = MikasaEnv(task), [], 0
     with tqdm(total=n, desc=f"mikasa/{task}", disable=not progress, position=position) as bar:
         while len(eps) < n:
+            seed, target = mikasa_attempt(task, attempts)
             if seed >= MIKASA_START_SEED:
                 raise RuntimeError(f"{task}: the expert ran out of seeds below the evaluation seeds")
-            for target in mikasa_layout_targets(task, seed):
-                if len(eps) == n:
-                    break
-                ep = rollout_mikasa_expert(env, seed, int(target))
-                attempts += 1
-                if ep["success"]:
-                    eps.append(ep)
-                    bar.update(1)
-                bar.set_postfix(expert_success=f"{len(eps) / attempts:.2f}")
-            seed += 1
+            ep = rollout_mikasa_expert(env, seed, target)
+            attempts += 1
+            if ep["success"]:
+                eps.append(ep)
+                bar.update(1)
+            bar.set_postfix(expert_success=f"{len(eps) / attempts:.2f}")
     write_demo_file(path, env.instruction, eps, env_name=MIKASA_TASKS[task][0],
                     attrs={"suite_version": MIKASA_VERSION, "memoryless_ceiling": 1 / MIKASA_TASKS[task][2],
                            "memory_type": env.memory_type, "max_steps": env.max_steps, "expert_attempts": attempts,

@@ -191,7 +191,7 @@ class MemorySuiteEnv:
 class MikasaSuiteEnv:
     """data.MikasaEnv by MIKASA-Robo's canonical protocol: trial k is env seed MIKASA_START_SEED + k, whatever --seed
     (which seeds the policy's noise only). demo_layouts (a check of fit, not the protocol): trial k replays the
-    expert's k-th demo attempt instead, its env seed and target (data.mikasa_layout_targets). The step info says how a
+    expert's k-th demo attempt instead, its env seed and target (data.mikasa_attempt). The step info says how a
     failed episode ended, from the tool's last position: near_target (within 8 cm of the target, but never within 5 cm
     and still), wrong_candidate (within 5 cm of another candidate) or elsewhere."""
 
@@ -203,9 +203,8 @@ class MikasaSuiteEnv:
         self.max_steps = self.env.max_steps
 
     def reset(self, trial):
-        if self.demo_layouts:  # data.py's order of attempts, whether or not the expert's succeeded
-            seed, j = divmod(trial, data.MIKASA_TARGETS_PER_LAYOUT)
-            return self.env.reset(seed, int(data.mikasa_layout_targets(self.task, seed)[j]))
+        if self.demo_layouts:  # whether or not the expert's attempt succeeded
+            return self.env.reset(*data.mikasa_attempt(self.task, trial))
         return self.env.reset(data.MIKASA_START_SEED + trial)
 
     def step(self, action):
@@ -760,8 +759,8 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
     os.makedirs(out, exist_ok=True)
     logged = load_log(log_path) if os.path.exists(log_path) else []
     for r in logged:
-        for k, v in settings.items():
-            if r.get(k) != v:
+        for k in (*settings, "demo_layouts"):  # demo_layouts: only in the records of runs that set it
+            if r.get(k) != (v := settings.get(k)):
                 raise hosts.ConfigError(f"{log_path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
                                         f"pass another --out (or delete the log) instead of mixing runs")
     have = {(r["task_id"], r["trial"]) for r in logged}
@@ -795,9 +794,9 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
                          demo_layouts=False):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
-    then goes to `out`), by default <ckpt dir>/eval_<suite>_L<reset_every> (trace_... with trace). The parameters
-    are eval.py's flags; suite None: the one the checkpoints were trained on (get_args: no --suite needs a --ckpt);
-    tracing runs the control step eagerly (a graph replay fills no tap)."""
+    then goes to `out`), by default <ckpt dir>/eval_<suite>[_demos]_L<reset_every> (trace_... with trace). The
+    parameters are eval.py's flags; suite None: the one the checkpoints were trained on (get_args: no --suite needs a
+    --ckpt); tracing runs the control step eagerly (a graph replay fills no tap)."""
     policies = {}
     for ck in ckpt or []:  # every file is checked before the first episode; the suite: --suite, or the first file's
         policies[str(ck)] = CheckpointPolicy(ck, device, replan, cuda_graphs and not trace, suite)
@@ -868,7 +867,8 @@ def parser():
                    "eval_<suite>_demos_...)")
     p.add_argument("--demo-layouts", action="store_true", help="a check of fit, not the benchmark: the training "
                    "demos' layouts instead of unseen ones, MIKASA suites only: trial k replays the expert's k-th demo "
-                   "attempt, its env seed and target (the embedded suite's demos: --seed 0) (default: off)")
+                   "attempt, its env seed and target (on the embedded suite --seed 0 gives the demos' layouts) "
+                   "(default: off)")
     p.add_argument("--trace", action="store_true", help="also write, per episode and frame, each memory layer's and "
                    "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of that "
                    "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without "

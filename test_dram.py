@@ -2119,6 +2119,9 @@ def test_mikasa_demos_train_and_canonical_eval(tmp_path, monkeypatch, capsys):
         np.testing.assert_array_equal(images["agentview_rgb"], d.images["agentview_rgb"][0])
         np.testing.assert_array_equal(images["eye_in_hand_rgb"], d.images["eye_in_hand_rgb"][0])
         np.testing.assert_allclose(state, d.state[0], atol=1e-6)
+    err = usage_error(ev.main, ["--suite", "mikasa", "--ckpt", ck, "--tasks", "0", "--trials", "2", "--out",
+                                str(tmp_path / "ev_demos")], capsys)  # canonical episodes into that log: refused
+    assert "demo_layouts" in err and len(ev.load_log(tmp_path / "ev_demos/episodes.jsonl")) == 2
 
     class Expert:  # the privileged expert as an eval.py policy: the episode ends at its first success
         def reset(self, rows, new_episode, rngs=None):
@@ -2331,12 +2334,19 @@ def test_train_tasks_reads_and_writes_only_those_tasks(tmp_path, capsys):
     assert [data.task_name(f) for f in files] == two and sorted(os.listdir(tmp_path / "memory")) == [
         f"{t}_demo.hdf5" for t in two]  # the other tasks were not written
     argv = ["--data", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--steps", "1"] + TINY
-    ck = train.main(argv + ["--tasks", "cue_colour", "--out", str(tmp_path / "run")])
+    ck = train.main(argv + ["--tasks", "cue_colour", "--out", str(tmp_path / "run"), "--eval-episodes", "1"])
     assert list(torch.load(ck, weights_only=True)["instructions"]) == ["cue_colour"]
-    for task in ("nope", "count_3"):  # not a task of the suite; not in the folder
+    quick = ev.load_log(tmp_path / "run" / "eval_quick" / "episodes.jsonl")  # the final pass: the trained task only
+    assert [r["task"] for r in quick] == ["cue_colour"]
+    for task in ("nope", "count_3"):  # not a task of the suite; its file is not in the folder
         err = usage_error(train.main, argv + ["--tasks", task, "--out", str(tmp_path / task)], capsys)
         assert task in err.strip().splitlines()[-1] and "Traceback" not in err, err
-    assert not (tmp_path / "memory" / "count_3_demo.hdf5").exists()
+    (tmp_path / "mikasa").mkdir()
+    (tmp_path / "mikasa" / "RememberColor3_demo.hdf5").touch()  # listed, not read
+    assert data.find_demo_files(tmp_path, "mikasa", tasks=["RememberColor3"]) == [
+        tmp_path / "mikasa" / "RememberColor3_demo.hdf5"]
+    with pytest.raises(data.DataError, match="RememberColor9_demo.hdf5.*--tasks RememberColor9"):
+        data.find_demo_files(tmp_path, "mikasa", tasks=["RememberColor9"])
 
 
 def test_readme_equation_table_names_exist():

@@ -75,8 +75,8 @@ def parser():
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
-    p.add_argument("--tasks", nargs="+", help="train on these tasks of --suite only: their names, as in <data>/<suite>/"
-                   "<name>_demo.hdf5 (default: all the folder holds)")
+    p.add_argument("--tasks", nargs="+", help="train on (and generate) these tasks of --suite only: their names, as in "
+                   "<data>/<suite>/<name>_demo.hdf5; pass an --out of its own (default: all the folder holds)")
     p.add_argument("--cache-dir", default=data.DEFAULT_CACHE_DIR, help="feature cache folder")
     p.add_argument("--no-cache", action="store_true", help="encode frames in memory, do not read/write the cache")
     p.add_argument("--vision", help=f"timm tower (default: {HostConfig.vision}; LIBERO vit_small_patch16_224.dino)")
@@ -494,7 +494,8 @@ def run(argv=None):
         # its own log folder, evaluated afresh: eval.py's default folder stays free for the full evaluation
         (out / "eval_quick" / "episodes.jsonl").unlink(missing_ok=True)
         evaluation.evaluate_checkpoints([str(ckpt_path)], trials=a.eval_episodes, seed=a.seed + 1000, device=a.device,
-                                        out=str(out / "eval_quick"))
+                                        out=str(out / "eval_quick"),
+                                        tasks=sorted(list(data.MEMORY_TASKS).index(t) for t in instructions))
     return str(ckpt_path)
 
 
