@@ -759,8 +759,8 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
     os.makedirs(out, exist_ok=True)
     logged = load_log(log_path) if os.path.exists(log_path) else []
     for r in logged:
-        for k in (*settings, "demo_layouts"):  # demo_layouts: only in the records of runs that set it
-            if r.get(k) != (v := settings.get(k)):
+        for k, v in settings.items():
+            if r.get(k) != v:
                 raise hosts.ConfigError(f"{log_path} holds episodes with {k}={r.get(k)!r} but this run has {k}={v!r}; "
                                         f"pass another --out (or delete the log) instead of mixing runs")
     have = {(r["task_id"], r["trial"]) for r in logged}
@@ -809,7 +809,7 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
         raise hosts.ConfigError(f"--demo-layouts: MIKASA suites only, not --suite {suite} (the embedded suite's demos "
                                 f"are --seed 0's layouts; LIBERO's initial states are not the demos')")
     common = dict(suite=suite, seed=seed, replan=replan or REPLAN[suite], reset_every=reset_every, max_steps=max_steps,
-                  **({"demo_layouts": True} if demo_layouts else {}))  # logs written without it stay resumable
+                  demo_layouts=demo_layouts)
     task_list, summaries = suite_tasks(suite, tasks, trials), {}
     running = policies or {"zero": ZeroPolicy()}
     instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
