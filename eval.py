@@ -794,9 +794,10 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
                          demo_layouts=False):
     """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
     summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
-    then goes to `out`), by default <ckpt dir>/eval_<suite>[_demos]_L<reset_every> (trace_... with trace). The
-    parameters are eval.py's flags; suite None: the one the checkpoints were trained on (get_args: no --suite needs a
-    --ckpt); tracing runs the control step eagerly (a graph replay fills no tap)."""
+    then goes to `out`), by default <ckpt dir>/eval_<suite>[_demos]_L<reset_every>[_best: for best.pt, any file but
+    ckpt.pt its stem] (trace_... with trace). The parameters are eval.py's flags; suite None: the one the checkpoints
+    were trained on (get_args: no --suite needs a --ckpt); tracing runs the control step eagerly (a graph replay fills
+    no tap)."""
     policies = {}
     for ck in ckpt or []:  # every file is checked before the first episode; the suite: --suite, or the first file's
         policies[str(ck)] = CheckpointPolicy(ck, device, replan, cuda_graphs and not trace, suite)
@@ -815,7 +816,9 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
     instructions = {ck: task_instructions(policy, task_list, suite, ck) for ck, policy in running.items()}
     for i, (name, policy) in enumerate(running.items()):
         ck_dir = os.path.dirname(os.path.abspath(name)) if policies else os.path.join("runs", name)
-        folder = f"{'trace' if trace else 'eval'}_{suite}{'_demos' if demo_layouts else ''}_L{reset_every}"
+        stem = os.path.splitext(os.path.basename(name))[0]  # best.pt beside ckpt.pt: a folder of its own
+        folder = (f"{'trace' if trace else 'eval'}_{suite}{'_demos' if demo_layouts else ''}_L{reset_every}"
+                  f"{'' if stem == 'ckpt' or not policies else '_' + stem}")
         where = (os.path.join(ck_dir, folder) if out is None
                  else out if len(policies) < 2 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)

@@ -1207,7 +1207,8 @@ def test_memory_suite_files(tmp_path, monkeypatch):
 
 DIT_TINY = ["--d-model", "32", "--head-blocks", "2"]  # options of the dit host's action head
 TINY = ["--episodes", "3", "--image-size", "32", "--mem-heads", "2", "--mem-dim", "16", "--batch", "4", "--window",
-        "4", "--chunk", "4", "--eval-episodes", "0", "--warmup", "2", "--flow-steps", "2", "--lr", "3e-3"] + DIT_TINY
+        "4", "--chunk", "4", "--eval-episodes", "0", "--val-episodes", "0", "--warmup", "2", "--flow-steps", "2",
+        "--lr", "3e-3"] + DIT_TINY
 
 
 def tiny_train(root, out, *extra):
@@ -1294,6 +1295,33 @@ def test_resume_is_exact(tmp_path, capsys):
     assert sorted(g["weight_decay"] for g in wd) == [0.0, 0.0, 0.5, 0.5]
 
 
+def test_validation_keeps_the_best_late_checkpoint_and_changes_no_training(tmp_path, monkeypatch):
+    """--val-episodes: the checkpoints at 0.75 / 0.875 / 1 x --steps are rolled out once each on layouts of their own;
+    best.pt is the one validated best (here by scripted rates; a tie: the later), with the weights the run had at that
+    step; the run's weights and losses, interrupted and resumed between validations, are those of a run without."""
+    rates, calls, real = {6: 0.9, 7: 0.9, 8: 0.5}, [], ev.evaluate_checkpoints
+
+    def scripted(ckpt, **kw):
+        s, step = real(ckpt, **kw), torch.load(ckpt[0], weights_only=True)["step"]
+        calls.append((Path(ckpt[0]).name, step, kw["seed"]))
+        return {ckpt[0]: dict(s[ckpt[0]], mean=rates[step])}
+    monkeypatch.setattr(ev, "evaluate_checkpoints", scripted)
+    v = ["--steps", "8", "--save-every", "100", "--val-episodes", "1"]
+    tiny_train(tmp_path, "a", *v, "--stop-at", "7")  # "interrupted" after validating steps 6 and 7
+    a = tiny_train(tmp_path, "a", *v, "--resume", "--eval-episodes", "1")
+    seed = train.VALIDATE["seed"]
+    assert calls == [("ckpt.pt", 6, seed), ("ckpt.pt", 7, seed), ("ckpt.pt", 8, seed), ("best.pt", 7, 1000)]
+    assert torch.load(a, weights_only=True)["val"] == [[6, 0.9], [7, 0.9], [8, 0.5]]
+    assert all(len(ev.load_log(tmp_path / "a" / "val" / f"step{s}" / "episodes.jsonl")) == 6 for s in (6, 7, 8))
+    b = tiny_train(tmp_path, "b", "--steps", "8", "--save-every", "100", "--stop-at", "7")  # no validation
+    best, b7 = torch.load(tmp_path / "a" / "best.pt", weights_only=True), torch.load(b, weights_only=True)
+    assert best["step"] == 7 and all(torch.equal(best["model"][k], b7["model"][k]) for k in b7["model"])
+    b = tiny_train(tmp_path, "b", "--steps", "8", "--resume")
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"]) and wa["losses"] == wb["losses"]
+    assert not (tmp_path / "b" / "best.pt").exists() and len(calls) == 4
+
+
 @pytest.mark.parametrize("memory", ["dram", "none"])
 def test_optimizer_groups_and_lr_schedule(memory):
     """Each parameter once, decay on matrices only, memory lr x mem_lr_mult, betas (0.9, 0.95), warm-up + cosine."""
@@ -1314,7 +1342,8 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--weights-file", "nowhere.pt"], "nowhere.pt"), (["--lr", "inf"], "--lr"), (["--lr", "-1"], "--lr"),
     (["--clip", "0"], "--clip"), (["--clip", "nan"], "--clip"), (["--weight-decay", "nan"], "--weight-decay"),
     (["--mem-lr-mult", "-2"], "--mem-lr-mult"), (["--warmup", "-3"], "--warmup"),
-    (["--eval-episodes", "-1"], "--eval-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
+    (["--eval-episodes", "-1"], "--eval-episodes"), (["--val-episodes", "-1"], "--val-episodes"),
+    (["--suite", "mikasa", "--val-episodes", "1"], "--val-episodes"), (["--seed", "-1"], "--seed"), (["--device", "foo"], "--device foo"),
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
@@ -2273,9 +2302,10 @@ def test_readme_commands_parse_and_fit_together(tmp_path, monkeypatch):
     chunk (eval.py would refuse it otherwise); on LIBERO the default is openpi's: half of the chunk."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "W.safetensors").touch()  # README's offline weights file
-    runs = {str(Path(a.out) / "ckpt.pt"): a for a in map(train.get_args, readme_commands("train"))}
+    runs = {str(Path(a.out) / f): a for a in map(train.get_args, readme_commands("train"))
+            for f in ("ckpt.pt", "best.pt")[:1 + (a.val_episodes > 0)]}  # best.pt: a run that validates
     assert runs["runs/dit-dram-libero_10/ckpt.pt"].chunk == train.LIBERO_CHUNK
-    assert {"runs/dit-dram-memory/ckpt.pt", "runs/dit-none-memory/ckpt.pt"} <= set(runs)
+    assert {"runs/dit-dram-memory/best.pt", "runs/dit-none-memory/best.pt"} <= set(runs)
     n = 0
     for argv in readme_commands("eval"):
         e = ev.get_args(argv)

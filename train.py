@@ -10,7 +10,8 @@ Post-train DRAM on a frozen host policy with truncated BPTT and flow matching (p
 
 The memory, adapters and action head train; the frozen tower encodes each frame once into the feature cache (data.py).
 B streams walk whole episodes in windows of T frames, gradients through the whole window; a stream's memory state is
-carried to its next window (detached there) and zeroed when it starts an episode.
+carried to its next window (detached there) and zeroed when it starts an episode. On the embedded suite the run also
+rolls out its last checkpoints on layouts of their own and keeps the best as <out>/best.pt (VALIDATE).
 """
 import argparse
 import dataclasses
@@ -18,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -50,6 +52,10 @@ LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, lib
               libero_10=dict(steps=15000, batch=32, window=64, **LIBERO_HEAD),
               libero_90=dict(steps=40000, batch=64, window=32, **LIBERO_HEAD))
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
+# Checkpoint selection (embedded suite): a run's late checkpoints differ by 10-30 points on a task at the same loss, so
+# the run rolls out its checkpoints at these fractions of --steps on layouts of their own (no evaluation's: eval.py's
+# default seed is 7, the demos' 0, train.py's quick eval 1000 + --seed) and keeps the best as best.pt
+VALIDATE = dict(at=(0.75, 0.875, 1.0), episodes=20, seed=99)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre")
 DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
@@ -131,6 +137,9 @@ def parser():
     p.add_argument("--device", default="auto", help="auto: one GPU per process if there are enough, else cpu")
     p.add_argument("--stop-at", type=int, help=argparse.SUPPRESS)  # tests: simulate an interruption
     p.add_argument("--eval-episodes", type=int, default=10, help="final eval (memory suite): episodes per task, 0: off")
+    p.add_argument("--val-episodes", type=int, help=f"memory suite: validation rollouts per task of the checkpoints at "
+                   f"{', '.join(f'{f:g}' for f in VALIDATE['at'])} x --steps (eval.py --seed {VALIDATE['seed']}'s "
+                   f"layouts); the best becomes <out>/best.pt (default: {VALIDATE['episodes']}; 0: off)")
     return p
 
 
@@ -140,8 +149,8 @@ def get_args(argv=None, run_folder=True):
     p = parser()
     a = p.parse_args(argv)
     for k in ("steps", "batch", "window", "chunk", "episodes", "save_every", "mem_depth", "mem_heads", "mem_dim",
-              "d_model", "head_blocks", "vla_layers", "flow_steps", "warmup", "eval_episodes"):
-        lo = 0 if k in ("warmup", "eval_episodes") else 1
+              "d_model", "head_blocks", "vla_layers", "flow_steps", "warmup", "eval_episodes", "val_episodes"):
+        lo = 0 if k in ("warmup", "eval_episodes", "val_episodes") else 1
         if getattr(a, k) is not None and getattr(a, k) < lo:
             p.error(f"--{k.replace('_', '-')} must be >= {lo}, got {getattr(a, k)}")
     mikasa, recipe = a.suite in data.MIKASA_SUITES, LIBERO.get(a.suite, {})
@@ -149,6 +158,10 @@ def get_args(argv=None, run_folder=True):
     a.window = a.window or recipe.get("window") or (MIKASA["window"] if mikasa else WINDOW)
     a.batch = a.batch or recipe.get("batch", BATCH)
     a.mem_lr_mult = MEM_LR_MULT[a.host] if a.mem_lr_mult is None else a.mem_lr_mult
+    if a.val_episodes and a.suite != data.MEMORY_SUITE:  # rollouts on held-out layouts: the embedded suite's own
+        p.error(f"--val-episodes: the embedded memory suite only, not --suite {a.suite}")
+    if a.val_episodes is None:
+        a.val_episodes = VALIDATE["episodes"] if a.suite == data.MEMORY_SUITE else 0
     for k, lo, strict in (("lr", 0.0, True), ("weight_decay", 0.0, False), ("mem_lr_mult", 0.0, False)):
         v = getattr(a, k)
         if not (math.isfinite(v) and (v > lo if strict else v >= lo)):
@@ -388,7 +401,10 @@ def run(argv=None):
         a = resume_args(a, ck["args"], argv, ckpt_path)
     rank, world, wait = setup_distributed(a)
     if rank == 0:  # checkpoint writes of killed runs (save_checkpoint's temporary files)
-        data.remove_stale_tmp(out.glob("ckpt.pt.tmp*"))
+        data.remove_stale_tmp(out.glob("*.pt.tmp*"))
+    if rank == 0 and ck is None:  # a replaced run's selection is not this run's
+        (out / "best.pt").unlink(missing_ok=True)
+        shutil.rmtree(out / "val", ignore_errors=True)
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
@@ -423,6 +439,8 @@ def run(argv=None):
     sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
     params, opt = host.trainable_parameters(), make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
     mem_state, step, losses = host.init_state(a.batch, dev), 0, []  # losses: the whole run's, for log.json
+    val_steps = sorted({round(f * a.steps) for f in VALIDATE["at"]}) if a.val_episodes else []
+    val = []  # [step, mean validation success] of the checkpoints validated so far
     if ck is not None:
         this_run = [(g["lr_mult"], g["weight_decay"]) for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
@@ -431,12 +449,13 @@ def run(argv=None):
         sampler.load_state_dict(ck["sampler"][rank])
         mem_state = ck["mem_state"][rank].to(dev)
         set_rng_state(ck["rng"][rank], dev)
-        step, losses = ck["step"], list(ck["losses"])
+        step, losses, val = ck["step"], list(ck["losses"]), [list(v) for v in ck.get("val", [])]
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
 
-    def checkpoint():
-        """Every rank gives its sampler position, memory state and RNG; rank 0 writes, never non-finite weights."""
+    def checkpoint(also=None):
+        """Every rank gives its sampler position, memory state and RNG; rank 0 writes ckpt.pt (and the path `also`),
+        never non-finite weights."""
         trained = {n: p.detach() for n, p in host.named_parameters() if p.requires_grad}  # (the tower is not stored)
         if bad := nonfinite(trained):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
@@ -445,16 +464,37 @@ def run(argv=None):
         gathered = [mine] if world == 1 else [None] * world
         if world > 1:
             dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            save_checkpoint(ckpt_path, dict(
-                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
-                stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
-                vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
-                sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
-                rng=[g["rng"] for g in gathered],
-                tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
-                losses=losses, frame_size=list(frame_hw)))
+        if rank != 0:
+            return
+        saved = dict(
+            model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
+            stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
+            vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
+            sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
+            rng=[g["rng"] for g in gathered], tower_fingerprint=host.tower.fingerprint(), args=vars(a),
+            suite=a.suite, world=world, losses=losses, val=val, frame_size=list(frame_hw))
+        for path in filter(None, (ckpt_path, also)):
+            save_checkpoint(path, saved)
 
+    def validate():
+        """Roll out ckpt.pt on the validation layouts (rank 0) and record it in ckpt.pt; the best so far (a tie: the
+        later) becomes best.pt. The training run's random stream is left as it was."""
+        if rank == 0:
+            import eval as evaluation
+            rng, where = rng_state(dev), out / "val" / f"step{step}"
+            shutil.rmtree(where, ignore_errors=True)  # a validation cut short is run again
+            s = evaluation.evaluate_checkpoints([str(ckpt_path)], trials=a.val_episodes, seed=VALIDATE["seed"],
+                                                device=a.device, out=str(where), tasks=trained_tasks)
+            set_rng_state(rng, dev)
+            val.append([step, s[str(ckpt_path)]["mean"]])
+        best = rank == 0 and val[-1][1] >= max(m for _, m in val)
+        checkpoint(also=out / "best.pt" if best else None)  # holding this validation: a resumed run knows the best
+
+    trained_tasks = None if a.suite != data.MEMORY_SUITE else sorted(list(data.MEMORY_TASKS).index(t)
+                                                                       for t in instructions)
+    due = lambda: step in val_steps and step not in [s for s, _ in val]  # noqa: E731
+    if ck is not None and due():  # the run was stopped while it validated this checkpoint
+        validate()
     host.train()
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames, stop = time.time(), 0, a.steps if a.stop_at is None else min(a.steps, a.stop_at)
@@ -474,13 +514,19 @@ def run(argv=None):
         if step % 10 == 0 or step == stop:
             bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}", lr=f"{lr_at(step, a):.2e}",
                             fps=f"{frames * world / (time.time() - t0):.0f}")
-        if step % a.save_every == 0 or step == stop:
+        if step % a.save_every == 0 or step == stop or step in val_steps:
             checkpoint()
+        if due():
+            validate()
     batches.close()
     bar.close()
     if rank == 0:
-        (out / "log.json").write_text(json.dumps(dict(losses=losses, args=vars(a)), indent=1))
+        (out / "log.json").write_text(json.dumps(dict(losses=losses, val=val, args=vars(a)), indent=1))
         print(f"checkpoint: {ckpt_path}  (step {step}, loss {np.mean(losses[-50:]) if losses else float('nan'):.4f})")
+        if val:
+            best = max(reversed(val), key=lambda v: v[1])  # a tie: the later, as validate() chose
+            print(f"best.pt: the checkpoint of step {best[0]}, {100 * best[1]:.1f} % mean success over "
+                  f"{a.val_episodes} validation episodes per task (of steps {', '.join(str(s) for s, _ in val)})")
     if world > 1:  # the all-reduced gradients must keep every rank's weights identical
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         ref = flat.clone()
@@ -493,9 +539,9 @@ def run(argv=None):
         import eval as evaluation  # a quick pass on the embedded suite: the first command shows whether memory works
         # its own log folder, evaluated afresh: eval.py's default folder stays free for the full evaluation
         (out / "eval_quick" / "episodes.jsonl").unlink(missing_ok=True)
-        evaluation.evaluate_checkpoints([str(ckpt_path)], trials=a.eval_episodes, seed=a.seed + 1000, device=a.device,
-                                        out=str(out / "eval_quick"),
-                                        tasks=sorted(list(data.MEMORY_TASKS).index(t) for t in instructions))
+        policy = out / "best.pt" if val else ckpt_path
+        evaluation.evaluate_checkpoints([str(policy)], trials=a.eval_episodes, seed=a.seed + 1000, device=a.device,
+                                        out=str(out / "eval_quick"), tasks=trained_tasks)
     return str(ckpt_path)
 
 
