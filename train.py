@@ -52,9 +52,9 @@ LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, lib
               libero_10=dict(steps=15000, batch=32, window=64, **LIBERO_HEAD),
               libero_90=dict(steps=40000, batch=64, window=32, **LIBERO_HEAD))
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
-# Checkpoint selection (embedded suite): a run's late checkpoints differ by 10-30 points on a task at the same loss, so
-# the run rolls out its checkpoints at these fractions of --steps on layouts of their own (no evaluation's: eval.py's
-# default seed is 7, the demos' 0, train.py's quick eval 1000 + --seed) and keeps the best as best.pt
+# Checkpoint selection (embedded suite): a run's late checkpoints differ by 10-30 points on a task while its loss still
+# falls, so the run rolls out its checkpoints at these fractions of --steps on layouts of their own (no evaluation's:
+# eval.py's default seed is 7, the demos' 0, train.py's quick eval 1000 + --seed) and keeps the best as best.pt
 VALIDATE = dict(at=(0.75, 0.875, 1.0), episodes=20, seed=99)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
 VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre")
