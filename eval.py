@@ -3,8 +3,8 @@ Closed-loop evaluation (paper Sec. 4): the embedded memory suite against its mem
 tasks by the benchmark's canonical protocol, LIBERO rollouts with the openpi protocol, and the memory reset-interval
 ablation (fig:reset).
 
-  python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --ckpt runs/dit-none-memory/ckpt.pt   # embedded suite
-  python eval.py --ckpt runs/dit-dram-memory/ckpt.pt --reset-every 8                         # reset ablation
+  python eval.py --ckpt runs/dit-dram-memory/best.pt --ckpt runs/dit-none-memory/best.pt   # embedded suite
+  python eval.py --ckpt runs/dit-dram-memory/best.pt --reset-every 8                         # reset ablation
   python eval.py --ckpt runs/dit-dram-mikasa/ckpt.pt --ckpt runs/dit-none-mikasa/ckpt.pt   # MIKASA-Robo
   python eval.py --suite libero_10 --ckpt runs/dit-dram-libero_10/ckpt.pt --num-envs 4
   python eval.py --suite libero_10 --tasks 0 --trials 1 --max-steps 20        # simulator smoke test, zero policy
@@ -867,7 +867,7 @@ def parser():
                    "step eagerly instead of replaying CUDA graphs (default: graphs on)")
     p.add_argument("--out", help="output folder for episodes.jsonl (a re-run resumes it), results.md, summary.json "
                    "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_..., with --demo-layouts "
-                   "eval_<suite>_demos_...)")
+                   "eval_<suite>_demos_..., for a file but ckpt.pt ..._<its stem>: eval_memory_L0_best)")
     p.add_argument("--demo-layouts", action="store_true", help="a check of fit, not the benchmark: the training "
                    "demos' layouts instead of unseen ones, MIKASA suites only: trial k replays the expert's k-th demo "
                    "attempt, its env seed and target (on the embedded suite --seed 0 gives the demos' layouts) "

@@ -106,8 +106,8 @@ class FrozenTower(nn.Module):
         size = dict(img_size=cfg.image_size) if self.is_vit else {}
 
         def create(pretrained, **kw):  # seeded in a forked generator: the caller's random stream is left as it was
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
+            with torch.random.fork_rng(devices=[]):  # (the CPU's, which timm draws from; not a GPU's: not reseeded)
+                torch.random.default_generator.manual_seed(0)
                 return timm.create_model(cfg.vision, pretrained=pretrained, num_classes=0, **size, **kw)
 
         self.model = create(False)

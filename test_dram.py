@@ -609,6 +609,17 @@ def test_flow_matching_convention_tau_and_masked_loss():
     torch.testing.assert_close(zero.fm_loss(None, None, None, moved, mask), loss)
 
 
+def test_building_a_host_reseeds_no_generator(monkeypatch):
+    """The frozen tower is initialised from seed 0 in a forked CPU generator: no GPU generator is reseeded (a run's
+    tau and noise draws on a GPU would otherwise be seed 0's, whatever --seed)."""
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded.append)  # what torch.manual_seed also calls
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeded.append)
+    make_host("dit", HostConfig(image_size=32, vocab=("x",), d_model=32, head_blocks=2, head_heads=2, mem_heads=2,
+                                mem_dk=16, mem_dv=16))
+    assert seeded == []
+
+
 def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_l():
     """Separate-source host: prefix_t is a function of S_{t-1}, memory layer l writes backbone l, expert l reads it."""
     host = perturb(tiny_host("vla", "hidden"))  # 2 backbone layers, 2 memory layers
@@ -1296,28 +1307,37 @@ def test_resume_is_exact(tmp_path, capsys):
 
 
 def test_validation_keeps_the_best_late_checkpoint_and_changes_no_training(tmp_path, monkeypatch):
-    """--val-episodes: the checkpoints at 0.75 / 0.875 / 1 x --steps are rolled out once each on layouts of their own;
-    best.pt is the one validated best (here by scripted rates; a tie: the later), with the weights the run had at that
-    step; the run's weights and losses, validated, interrupted and resumed, are those of a run without validation."""
+    """--val-episodes: the checkpoints at 0.75 / 0.875 / 1 x --steps are rolled out on layouts of their own (again if
+    the run was killed mid-validation); best.pt is the file validated best (here by scripted rates; a tie: the later),
+    the weights the run had at that step; the run's weights and losses are those of a run without validation."""
     rates, calls, real = {6: 0.9, 7: 0.9, 8: 0.5}, [], ev.evaluate_checkpoints
 
     def scripted(ckpt, **kw):
-        s, step = real(ckpt, **kw), torch.load(ckpt[0], weights_only=True)["step"]
+        step = torch.load(ckpt[0], weights_only=True)["step"]
         calls.append((Path(ckpt[0]).name, step, kw["seed"]))
-        return {ckpt[0]: dict(s[ckpt[0]], mean=rates[step])}
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # killed while it validates step 7
+        return {ckpt[0]: dict(real(ckpt, **kw)[ckpt[0]], mean=rates[step])}
     monkeypatch.setattr(ev, "evaluate_checkpoints", scripted)
-    v = ["--steps", "8", "--save-every", "100", "--val-episodes", "1", "--tasks", "count_2"]
-    tiny_train(tmp_path, "a", *v, "--stop-at", "7")  # "interrupted" after validating steps 6 and 7
+    v = ["--steps", "8", "--save-every", "100", "--val-episodes", "1", "--tasks", "count_2", "--device", "cpu"]
+    with pytest.raises(KeyboardInterrupt):
+        tiny_train(tmp_path, "a", *v)
     a = tiny_train(tmp_path, "a", *v, "--resume", "--eval-episodes", "1")
-    seed = train.VALIDATE["seed"]
-    assert calls == [("ckpt.pt", 6, seed), ("ckpt.pt", 7, seed), ("ckpt.pt", 8, seed), ("best.pt", 7, 1000)]
+    seed, run = train.VALIDATE["seed"], tmp_path / "a"
+    assert calls == [("ckpt.pt", 6, seed), ("ckpt.pt", 7, seed), ("ckpt.pt", 7, seed), ("ckpt.pt", 8, seed),
+                     ("best.pt", 7, 1000)]  # the quick eval: best.pt
     assert torch.load(a, weights_only=True)["val"] == [[6, 0.9], [7, 0.9], [8, 0.5]]
-    assert all(len(ev.load_log(tmp_path / "a" / "val" / f"step{s}" / "episodes.jsonl")) == 1 for s in (6, 7, 8))
+    step7 = ev.load_log(run / "val" / "step7" / "episodes.jsonl")
+    assert len(step7) == 1 and step7[0]["checkpoint_sha1"] == hosts.read_checkpoint(run / "best.pt")["file_sha1"]
     b = tiny_train(tmp_path, "b", *v[:4], *v[6:], "--stop-at", "7")  # the same run, without validation
-    best, b7 = torch.load(tmp_path / "a" / "best.pt", weights_only=True), torch.load(b, weights_only=True)
+    best, b7 = torch.load(run / "best.pt", weights_only=True), torch.load(b, weights_only=True)
     assert best["step"] == 7 and all(torch.equal(best["model"][k], b7["model"][k]) for k in b7["model"])
-    assert torch.load(a, weights_only=True)["losses"][:7] == b7["losses"] and b7["val"] == []
-    assert not (tmp_path / "b" / "best.pt").exists() and len(calls) == 4
+    wa, wb = torch.load(a, weights_only=True), torch.load(tiny_train(tmp_path, "b", *v[:4], *v[6:], "--resume"),
+                                                          weights_only=True)
+    assert all(torch.equal(wa["model"][k], wb["model"][k]) for k in wa["model"]) and wa["losses"] == wb["losses"]
+    assert wb["val"] == [] and not (tmp_path / "b" / "best.pt").exists() and len(calls) == 5
+    tiny_train(tmp_path, "a", *v[:4], *v[6:], "--overwrite")  # a replaced run's selection goes with it
+    assert not (run / "best.pt").exists() and not list(run.glob("val/step*"))
 
 
 @pytest.mark.parametrize("memory", ["dram", "none"])

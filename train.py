@@ -226,7 +226,8 @@ def host_config(a, vocab, action_dim):
 
 RESUME_THIS_RUN = ("resume", "overwrite", "out", "data", "cache_dir", "no_cache", "device", "stop_at", "save_every",
                    "eval_episodes", "weights_file")  # where and how this process runs
-RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip")  # may change: train on to more steps
+RESUME_SCHEDULE = ("steps", "lr", "warmup", "weight_decay", "mem_lr_mult", "clip",  # may change: train on to more
+                   "val_episodes")  # steps (its new late checkpoints are validated; the earlier ones stay candidates)
 
 
 def resume_args(a, saved, argv, path):
@@ -351,7 +352,7 @@ def build_episodes(host, files, a, rank=0):
     return eps
 
 
-RANK0_WAIT = datetime.timedelta(hours=6)  # how long the others wait for rank 0 alone to fill the feature cache
+RANK0_WAIT = datetime.timedelta(hours=6)  # how long the others wait for rank 0 alone (feature cache, validation)
 
 
 def setup_distributed(a):
@@ -402,9 +403,11 @@ def run(argv=None):
     rank, world, wait = setup_distributed(a)
     if rank == 0:  # checkpoint writes of killed runs (save_checkpoint's temporary files)
         data.remove_stale_tmp(out.glob("*.pt.tmp*"))
-    if rank == 0 and ck is None:  # a replaced run's selection is not this run's
-        (out / "best.pt").unlink(missing_ok=True)
-        shutil.rmtree(out / "val", ignore_errors=True)
+    if rank == 0 and a.overwrite:  # the replaced run goes, its selection with it
+        for f in ("ckpt.pt", "best.pt"):
+            (out / f).unlink(missing_ok=True)
+        for d in out.glob("val/step*"):
+            shutil.rmtree(d)
     torch.manual_seed(a.seed)
     np.random.seed(a.seed)
     dev = torch.device(a.device)
@@ -439,7 +442,8 @@ def run(argv=None):
     sampler = data.StreamSampler(fd.lengths, a.batch, a.window, a.chunk, seed=a.seed)
     params, opt = host.trainable_parameters(), make_optimizer(host, a.lr, a.weight_decay, a.mem_lr_mult)
     mem_state, step, losses = host.init_state(a.batch, dev), 0, []  # losses: the whole run's, for log.json
-    val_steps = sorted({round(f * a.steps) for f in VALIDATE["at"]}) if a.val_episodes else []
+    validating = a.val_episodes and a.suite == data.MEMORY_SUITE  # (resume_args may have changed the suite)
+    val_steps = sorted({round(f * a.steps) for f in VALIDATE["at"]}) if validating else []
     val = []  # [step, mean validation success] of the checkpoints validated so far
     if ck is not None:
         this_run = [(g["lr_mult"], g["weight_decay"]) for g in opt.param_groups]
@@ -453,9 +457,8 @@ def run(argv=None):
         if rank == 0:
             print(f"resumed from {ckpt_path} at step {step}")
 
-    def checkpoint(also=None):
-        """Every rank gives its sampler position, memory state and RNG; rank 0 writes ckpt.pt (and the path `also`),
-        never non-finite weights."""
+    def checkpoint():
+        """Every rank gives its sampler position, memory state and RNG; rank 0 writes, never non-finite weights."""
         trained = {n: p.detach() for n, p in host.named_parameters() if p.requires_grad}  # (the tower is not stored)
         if bad := nonfinite(trained):
             raise FloatingPointError(f"step {step}: the weights hold NaN/inf ({', '.join(bad[:3])}); {ckpt_path} is "
@@ -464,21 +467,20 @@ def run(argv=None):
         gathered = [mine] if world == 1 else [None] * world
         if world > 1:
             dist.all_gather_object(gathered, mine)
-        if rank != 0:
-            return
-        saved = dict(
-            model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
-            stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
-            vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
-            sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
-            rng=[g["rng"] for g in gathered], tower_fingerprint=host.tower.fingerprint(), args=vars(a),
-            suite=a.suite, world=world, losses=losses, val=val, frame_size=list(frame_hw))
-        for path in filter(None, (ckpt_path, also)):
-            save_checkpoint(path, saved)
+        if rank == 0:
+            save_checkpoint(ckpt_path, dict(
+                model={n: p.cpu() for n, p in trained.items()}, config=dataclasses.asdict(cfg),
+                stats={k: torch.from_numpy(v) for k, v in fd.stats.items()},  # tensors: read with weights_only
+                vocab=vocab, instructions=instructions, optimizer=opt.state_dict(), step=step,
+                sampler=[g["sampler"] for g in gathered], mem_state=[g["mem"] for g in gathered],
+                rng=[g["rng"] for g in gathered],
+                tower_fingerprint=host.tower.fingerprint(), args=vars(a), suite=a.suite, world=world,
+                losses=losses, val=val, frame_size=list(frame_hw)))
 
     def validate():
-        """Roll out ckpt.pt on the validation layouts (rank 0) and record it in ckpt.pt; the best so far (a tie: the
-        later) becomes best.pt. The training run's random stream is left as it was."""
+        """Roll out ckpt.pt on the validation layouts (rank 0); the best so far (a tie: the later) is copied to best.pt,
+        byte for byte (its sha1 is the one in the validation's log); then ckpt.pt records the rate: a run stopped
+        before that validates again. The training run's random stream is left as it was."""
         if rank == 0:
             import eval as evaluation
             rng, where = rng_state(dev), out / "val" / f"step{step}"
@@ -487,18 +489,22 @@ def run(argv=None):
                                                 device=a.device, out=str(where), tasks=trained_tasks)
             set_rng_state(rng, dev)
             val.append([step, s[str(ckpt_path)]["mean"]])
-        best = rank == 0 and val[-1][1] >= max(m for _, m in val)
-        checkpoint(also=out / "best.pt" if best else None)  # holding this validation: a resumed run knows the best
+            if val[-1][1] >= max(m for _, m in val):
+                tmp = out / f"best.pt.tmp{os.getpid()}"
+                shutil.copyfile(ckpt_path, tmp)
+                os.replace(tmp, out / "best.pt")
+        wait()  # the other ranks wait for rank 0's rollouts on the long-timeout group, not in checkpoint()'s gather
+        checkpoint()
 
     trained_tasks = None if a.suite != data.MEMORY_SUITE else sorted(list(data.MEMORY_TASKS).index(t)
                                                                        for t in instructions)
     due = lambda: step in val_steps and step not in [s for s, _ in val]  # noqa: E731
-    if ck is not None and due():  # the run was stopped while it validated this checkpoint
-        validate()
     host.train()
     bar = tqdm(total=a.steps, initial=step, disable=rank != 0, desc=f"train {a.host}/{a.memory}", unit="step")
     t0, frames, stop = time.time(), 0, a.steps if a.stop_at is None else min(a.steps, a.stop_at)
     consumed, batches = sampler.state_dict(), data.Prefetch(fd, sampler, dev)  # consumed: the checkpoint's position
+    if due():  # the run was stopped while it validated this checkpoint
+        validate()
     while step < stop:
         batch, consumed = batches.next()
         for g in opt.param_groups:
