@@ -17,6 +17,7 @@ import hashlib
 import io
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -551,11 +552,12 @@ def make_host(name, config: HostConfig):
 # ---- Checkpoints: the host's config and trained weights (+ train.py's state to resume exactly) -------------------
 def save_checkpoint(path, obj):
     """Atomic and durable: write <path>.tmp<pid>, flush it to the disk, rename it over `path`, flush the folder: neither
-    a kill nor a power loss leaves a corrupt checkpoint (a kill leaves the temporary file: data.remove_stale_tmp)."""
+    a kill nor a power loss leaves a corrupt checkpoint (a kill leaves the temporary file: data.remove_stale_tmp).
+    obj: the checkpoint dict, or the Path of a checkpoint file to copy byte for byte."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
+    shutil.copyfile(obj, tmp) if isinstance(obj, Path) else torch.save(obj, tmp)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())  # the file's bytes reach the disk before the rename that publishes them
     os.replace(tmp, path)

@@ -252,6 +252,11 @@ def resume_args(a, saved, argv, path):
     return a
 
 
+def best_validated(val):
+    """[step, rate] of the best validated checkpoint in val; a tie goes to the later step."""
+    return max(reversed(val), key=lambda v: v[1])
+
+
 def lr_at(step, a):
     """Linear warm-up, then cosine decay to 10%."""
     if step < a.warmup:
@@ -489,10 +494,8 @@ def run(argv=None):
                                                 device=a.device, out=str(where), tasks=trained_tasks)
             set_rng_state(rng, dev)
             val.append([step, s[str(ckpt_path)]["mean"]])
-            if val[-1][1] >= max(m for _, m in val):
-                tmp = out / f"best.pt.tmp{os.getpid()}"
-                shutil.copyfile(ckpt_path, tmp)
-                os.replace(tmp, out / "best.pt")
+            if best_validated(val)[0] == step:
+                save_checkpoint(out / "best.pt", ckpt_path)
         wait()  # the other ranks wait for rank 0's rollouts on the long-timeout group, not in checkpoint()'s gather
         checkpoint()
 
@@ -530,7 +533,7 @@ def run(argv=None):
         (out / "log.json").write_text(json.dumps(dict(losses=losses, val=val, args=vars(a)), indent=1))
         print(f"checkpoint: {ckpt_path}  (step {step}, loss {np.mean(losses[-50:]) if losses else float('nan'):.4f})")
         if val:
-            best = max(reversed(val), key=lambda v: v[1])  # a tie: the later, as validate() chose
+            best = best_validated(val)
             print(f"best.pt: the checkpoint of step {best[0]}, {100 * best[1]:.1f} % mean success over "
                   f"{a.val_episodes} validation episodes per task (of steps {', '.join(str(s) for s, _ in val)})")
     if world > 1:  # the all-reduced gradients must keep every rank's weights identical
