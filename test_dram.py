@@ -1554,7 +1554,7 @@ def test_ddp_two_processes_gloo(tmp_path):
         # the update is one AdamW step on the gradient the ranks reduced. It is checked against that gradient, not the
         # reference's: Adam's first step is lr g / (|g| + eps), so a gradient near eps turns its last-bit rounding
         # (another summation order) into a weight difference ~lr times larger
-        stepped = perturb(tiny_host("dit"))
+        stepped = copy.deepcopy(host)  # the reference host's weights, not stepped
         for p, g in zip(stepped.trainable_parameters(), got["grads"]):
             p.grad = g.clone()
         train.make_optimizer(stepped, 1e-3, 0.01, 2.0).step()
