@@ -2,8 +2,9 @@
 Host policies: the two ways to plug DRAM into a frozen, pretrained policy (paper Sec. 3.2 "From readout to action",
 Sec. 3.4, appendix "Flexible Integration Patterns"). READ / FUSE / WRITE are dram.py's, identical in both; only the
 wiring differs: shared source (--host dit, GR00T-style) writes and reads the frame tokens the DiT head attends to;
-separate source (--host vla, pi0.5-style) writes backbone features and reads into learned query slots that the action
-expert attends to as prefix keys / values.
+separate source (--host vla, pi0.5-style) writes backbone features and reads into a query stream of its own (learned
+query slots, or a copy of the current frame's last hidden tokens) that the action expert attends to as prefix keys /
+values.
 
 train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
 
@@ -64,14 +65,15 @@ class HostConfig:
     head_heads: int = 4
     write_source: str = "last_hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
-    query_slots: int = 8  # M learned query slots
+    query: str = "slots"  # vla: the memory's query stream, slots (M learned) | frame (a copy of the frame's h_L tokens)
+    query_slots: int = 8  # M learned query slots (query = slots)
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
     key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to
     kv_adapter: bool = True  # a learned linear map per expert layer on the backbone keys / values it reads (init I)
     write_centre: bool = True  # the memory's write sources centred over each frame's tokens
 
     def __post_init__(self):
-        for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")),
+        for k, ok in (("host", ("dit", "vla")), ("memory", ("dram", "none")), ("query", ("frame", "slots")),
                       ("write_source", ("native_kv", "hidden", "last_hidden"))):
             if getattr(self, k) not in ok:
                 raise ConfigError(f"--{k.replace('_', '-')} must be one of {', '.join(ok)}; got {getattr(self, k)!r}")
@@ -415,7 +417,7 @@ class ExpertLayer(nn.Module):
 
     def forward(self, x, temb, kv_l, prefix):
         """x [B, n, d] own tokens, kv_l [B, 2, m, d] backbone layer-l native (pre-RoPE) keys/values,
-        prefix [B, M, d] fused query-slot readout or None."""
+        prefix [B, M, d] fused query-stream readout or None."""
         B, n, d = x.shape
         q, k, v, _ = self.keys(self.norm1(x, temb), kv_l, prefix)
         o = F.scaled_dot_product_attention(q, k, v)  # [B, h, n, d/h]
@@ -454,7 +456,8 @@ class ExpertHead(FlowHead):
 class VLAHost(Host):
     """Separate-source pattern (appendix, pi0.5 host) at a size that runs: a frozen ViT as the "VLM" backbone
     ([instruction token | patch tokens of all cameras] through its first `vla_layers` blocks), memory layers aligned
-    with backbone layers, learned query slots, and readouts injected as prefix keys/values of the action expert."""
+    with backbone layers, a query stream of their own (HostConfig.query), and readouts injected as prefix keys/values
+    of the action expert."""
 
     def __init__(self, cfg: HostConfig):
         super().__init__(cfg)
@@ -466,7 +469,8 @@ class VLAHost(Host):
         D, nh = vit.embed_dim, vit.blocks[0].attn.num_heads
         self.D, self.memory = D, None
         if cfg.memory == "dram":
-            self.slots = nn.Parameter(0.02 * torch.randn(cfg.query_slots, D))  # M learned query slots
+            if cfg.query == "slots":
+                self.slots = nn.Parameter(0.02 * torch.randn(cfg.query_slots, D))  # M learned query slots
             if cfg.write_source == "native_kv":  # the backbone's own per-head keys/values, no DRAM projection
                 mc = DRAMConfig(d_q=D, d_k=D, d_v=D, n_heads=nh, head_dk=D // nh, head_dv=D // nh, kv_proj=False)
             else:
@@ -517,14 +521,22 @@ class VLAHost(Host):
 
     def context(self, feats, instr, state, frame_valid=None):
         """feats [B, T, (L + 1) n, D] -> ({"kv": [B, T, L, 2, n, D], "prefix": [B, T, L_mem, M, D]}, new_state).
-        Only the query slots evolve across memory layers; the host's own tokens are untouched."""
+        M = n (query frame) or query_slots. Only the query stream evolves across memory layers; the host's own tokens
+        are untouched."""
         B, T, LN, D = feats.shape
         L, ws = self.cfg.vla_layers, self.cfg.write_source
         h = feats.view(B, T, L + 1, LN // (L + 1), D)  # [B, T, L + 1, n, D]: h_0 .. h_L
         ctx = {"kv": self.native_kv(h[:, :, :L])}  # [B, T, L, 2, n, D]
         if self.memory is None:
             return ctx, state
-        q = self.slots.expand(B, T, *self.slots.shape)  # [B, T, M, D]
+        # The query stream (appendix: designated query slots). frame: a copy of the current frame's last hidden tokens,
+        # so each token reads what the memory holds about its own content and place (the block now at p asks whether
+        # the block at p was cued), as the DiT host's tokens do. slots: M learned constants, whose readout is one fixed
+        # linear map of S_{t-1} whatever the frame shows.
+        if self.cfg.query == "frame":
+            q = h[:, :, L].float()  # [B, T, n, D]
+        else:
+            q = self.slots.expand(B, T, *self.slots.shape)  # [B, T, M, D]
         # write_centre: a random tower's tokens share ~80 % of their power in one vector, so their keys are nearly
         # parallel (cosine 0.6-0.98) and each frame's joint write replaces the memory along that one direction;
         # trained on them, the write gates close (w < 0.01) and a cue moves the prefix by ~1 % of its norm.

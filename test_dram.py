@@ -519,11 +519,13 @@ def test_tower_weights_from_a_file_or_the_hub(tmp_path, monkeypatch):
     assert (True, True) in seen and not huggingface_hub.constants.HF_HUB_OFFLINE  # offline (no retries) inside only
 
 
-@pytest.mark.parametrize("kind,ws", [("dit", "hidden")] + [("vla", w) for w in ("native_kv", "hidden", "last_hidden")])
-def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
+@pytest.mark.parametrize("kind,ws,query", [("dit", "hidden", "frame")] + [("vla", w, "frame") for w in (
+    "native_kv", "hidden", "last_hidden")] + [("vla", "last_hidden", "slots")])
+def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws, query):
     """Sec. 3.2: a fresh host's actions ignore the episode's past (zero-init FUSE output): DiT equals the memoryless
-    baseline, vla's prefix is a history-free constant. ctx_t = f(frame t, S_{t-1}) reads no values; the host trains."""
-    mem, base = tiny_host(kind, ws), tiny_host(kind, ws, memory="none")
+    baseline, vla's prefix is history-free (the frame's tokens, or the constant slots). ctx_t = f(frame t, S_{t-1})
+    reads no values; the host trains."""
+    mem, base = tiny_host(kind, ws, query=query), tiny_host(kind, ws, memory="none", query=query)
     assert not base.load_state_dict(mem.state_dict(), strict=False).missing_keys  # the same host minus the memory
     feats, instr, b = random_window(mem, T=4)
     S0 = S = mem.init_state(2)
@@ -535,7 +537,7 @@ def test_host_fresh_memory_adds_no_history_step_is_causal_and_trains(kind, ws):
         a_m = mem.sample(ctx_m, b["state_vec"][:, t], instr, noise=noise)
         a_b = base.sample(ctx_b, b["state_vec"][:, t], instr, noise=noise)
         assert torch.equal(a_m, mem.sample(ctx_0, b["state_vec"][:, t], instr, noise=noise))
-        assert torch.equal(a_m, a_b) == (kind == "dit")  # vla: the constant prefix joins the expert's softmax
+        assert torch.equal(a_m, a_b) == (kind == "dit")  # vla: the history-free prefix joins the expert's softmax
     assert S.dtype == torch.float32 and S.abs().sum() > 0
     host = perturb(mem)  # a trained memory changes the actions
     ctx_m, _ = host.step(feats[:, 2], instr, S)
@@ -620,16 +622,19 @@ def test_building_a_host_reseeds_no_generator(monkeypatch):
     assert seeded == []
 
 
-def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_l():
-    """Separate-source host: prefix_t is a function of S_{t-1}, memory layer l writes backbone l, expert l reads it."""
-    host = perturb(tiny_host("vla", "hidden"))  # 2 backbone layers, 2 memory layers
+@pytest.mark.parametrize("query", ["frame", "slots"])
+def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_l(query):
+    """Separate-source host: prefix_t is a function of S_{t-1} and frame t's query stream, memory layer l writes
+    backbone l, expert l reads it."""
+    host = perturb(tiny_host("vla", "hidden", query=query))  # 2 backbone layers, 2 memory layers
     feats, instr, b = random_window(host)
     L = host.cfg.vla_layers
     ctx, _ = host.context(feats, instr, host.init_state(2))
     last = feats.clone().view(2, 3, L + 1, -1, feats.shape[-1])  # [B, T, L + 1, n, D]: h_0 .. h_L
     last[:, 1, L] += torch.randn_like(last[:, 1, L])  # frame 1's last backbone layer's output only
     p, p2 = ctx["prefix"], host.context(last.view_as(feats), instr, host.init_state(2))[0]["prefix"]
-    assert torch.equal(p2[:, :2], p[:, :2]) and torch.equal(p2[:, 2, 0], p[:, 2, 0])
+    assert torch.equal(p2[:, 0], p[:, 0]) and torch.equal(p2[:, 2, 0], p[:, 2, 0])  # frame 2's layer 0: S^0_1 as was
+    assert torch.equal(p2[:, 1], p[:, 1]) == (query == "slots")  # frame 1's query stream: h_L of frame 1, or slots
     assert (p2[:, 2, L - 1] - p[:, 2, L - 1]).abs().max() > 1e-4
     one = {k: v[:, 1] for k, v in ctx.items()}  # frame 1's context
     a, tau = torch.randn(2, host.cfg.chunk, host.cfg.action_dim), torch.full((2,), 0.5)
@@ -642,9 +647,10 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
 def test_vla_memory_writes_its_sources_centred_over_each_frame(ws):
     """A vector shared by all tokens of a frame (most of a random tower's hidden-token power) reaches neither the
     memory state nor the prefix; without write_centre it reaches both. native_kv: the shared vector is a shift of the
-    key / value projection's bias (a shift of h_l would not pass norm1 as one)."""
+    key / value projection's bias (a shift of h_l would not pass norm1 as one). Learned slots: query frame copies h_L,
+    the shift with it, by design."""
     for centre in (True, False):
-        host = perturb(tiny_host("vla", ws, write_centre=centre))
+        host = perturb(tiny_host("vla", ws, write_centre=centre, query="slots"))
         feats, instr, _ = random_window(host)
         B, T, L = 2, 3, host.cfg.vla_layers
         shift = 3.0 * torch.randn(B, T, L + 1, 1, feats.shape[-1])  # one vector per frame and hidden state
@@ -1366,6 +1372,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
+    (["--query", "frame"], "--query"),
     (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
     (["--host", "vla", "--d-model", "32"], "--d-model"), (["--host", "vla", "--head-blocks", "2"], "--head-blocks"),
     (["--host", "vla", "--mixer"], "--mixer"), (["--host", "vla", "--write-source", "native_kv", "--mem-heads", "2"],

@@ -57,7 +57,7 @@ MEM_LR_MULT = dict(dit=2.0, vla=2.5)
 # eval.py's default seed is 7, the demos' 0, train.py's quick eval 1000 + --seed) and keeps the best as best.pt
 VALIDATE = dict(at=(0.75, 0.875, 1.0), episodes=20, seed=99)
 DIT_MEMORY_DEPTH = 1  # the dit host on the embedded suite (HostConfig.mem_depth: the vla host, and LIBERO)
-VLA_ONLY = ("write_source", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre")
+VLA_ONLY = ("write_source", "query", "vla_layers", "pos_code", "key_norm", "kv_adapter", "write_centre")
 DIT_ONLY = ("mixer", "d_model", "head_blocks")  # the vla host's expert has its backbone's width and depth
 PROJECTED = ("mem_heads", "mem_dim")  # native_kv writes the backbone's own heads, without DRAM's projections
 VLA_FEATURES = "h0-hL"  # the vla host's cached features: hidden states h_0 .. h_L (hosts.VLAHost.encode)
@@ -78,6 +78,9 @@ def parser():
     p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
     p.add_argument("--write-source", choices=["native_kv", "hidden", "last_hidden"],
                    help=f"vla host: what the memory layers write (default: {HostConfig.write_source})")
+    p.add_argument("--query", choices=["slots", "frame"], help=f"vla host: the memory's query stream, "
+                   f"{HostConfig.query_slots} learned slots or a copy of the frame's last hidden tokens (default: "
+                   f"{HostConfig.query})")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
@@ -190,6 +193,7 @@ def get_args(argv=None, run_folder=True):
                 f"layer per backbone layer (--vla-layers)")
     lib, c = not (a.suite == data.MEMORY_SUITE or mikasa), HostConfig  # mikasa: the embedded suite's CPU recipe
     a.write_source, a.vla_layers = a.write_source or c.write_source, a.vla_layers or c.vla_layers
+    a.query = a.query or c.query
     a.key_norm, a.kv_adapter = a.key_norm is not False, a.kv_adapter is not False
     a.write_centre, a.mixer = a.write_centre is not False, bool(a.mixer)
     a.mem_heads = a.mem_heads or recipe.get("mem_heads", c.mem_heads)
