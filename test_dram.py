@@ -647,8 +647,8 @@ def test_vla_memory_layer_l_writes_backbone_layer_l_and_is_read_by_expert_layer_
 def test_vla_memory_writes_its_sources_centred_over_each_frame(ws):
     """A vector shared by all tokens of a frame (most of a random tower's hidden-token power) reaches neither the
     memory state nor the prefix; without write_centre it reaches both. native_kv: the shared vector is a shift of the
-    key / value projection's bias (a shift of h_l would not pass norm1 as one). Learned slots: query frame copies h_L,
-    the shift with it, by design."""
+    key / value projection's bias (a shift of h_l would not pass norm1 as one). Run with learned slots: the frame
+    query stream is a copy of h_L, shift included, by design."""
     for centre in (True, False):
         host = perturb(tiny_host("vla", ws, write_centre=centre, query="slots"))
         feats, instr, _ = random_window(host)
