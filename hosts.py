@@ -2,8 +2,8 @@
 Host policies: the two ways to plug DRAM into a frozen, pretrained policy (paper Sec. 3.2 "From readout to action",
 Sec. 3.4, appendix "Flexible Integration Patterns"). READ / FUSE / WRITE are dram.py's, identical in both; only the
 wiring differs: shared source (--host dit, GR00T-style) writes and reads the frame tokens the DiT head attends to;
-separate source (--host vla, pi0.5-style) writes backbone features and reads into a query stream of its own (learned
-query slots, or a copy of the current frame's last hidden tokens) that the action expert attends to as prefix keys /
+separate source (--host vla, pi0.5-style) writes backbone features and reads into a query stream of its own (a copy of
+the current frame's last hidden tokens, or learned query slots) that the action expert attends to as prefix keys /
 values.
 
 train.py and eval.py see class Host. A checkpoint describes a host: save / read / load_checkpoint live here.
@@ -65,7 +65,7 @@ class HostConfig:
     head_heads: int = 4
     write_source: str = "last_hidden"  # pi0.5-style (vla) host: native_kv | hidden | last_hidden
     vla_layers: int = 4  # backbone depth used (first blocks of the ViT); the action expert has the same depth
-    query: str = "slots"  # vla: the memory's query stream, slots (M learned) | frame (a copy of the frame's h_L tokens)
+    query: str = "frame"  # vla: the memory's query stream, frame (a copy of the frame's h_L tokens) | slots (learned)
     query_slots: int = 8  # M learned query slots (query = slots)
     pos_code: bool = True  # fixed 2-D position + camera code on the patch tokens before the frozen blocks
     key_norm: bool = True  # per-head RMS normalisation of the keys the action expert attends to

@@ -1372,7 +1372,7 @@ def test_optimizer_groups_and_lr_schedule(memory):
     (["--d-model", "30"], "--d-model"), (["--out", train.__file__], f"--out {train.__file__}"),
     (["--write-source", "native_kv"], "--write-source"), (["--host", "dit", "--no-pos-code"], "--pos-code"),
     (["--host", "dit", "--no-kv-adapter"], "--kv-adapter"), (["--host", "dit", "--no-write-centre"], "--write-centre"),
-    (["--query", "frame"], "--query"),
+    (["--query", "slots"], "--query"),
     (["--host", "vla", "--write-source", "hidden", "--mem-depth", "3"], "--mem-depth"),
     (["--host", "vla", "--d-model", "32"], "--d-model"), (["--host", "vla", "--head-blocks", "2"], "--head-blocks"),
     (["--host", "vla", "--mixer"], "--mixer"), (["--host", "vla", "--write-source", "native_kv", "--mem-heads", "2"],
@@ -1388,6 +1388,7 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
     assert a.clip == math.inf and a.mem_lr_mult == 0 and a.weight_decay == 0
     assert train.get_args(["--host", "vla", "--write-source", "hidden", "--mem-heads", "2"]).mem_heads == 2
     assert train.get_args(["--host", "vla", "--mem-depth", "3"]).mem_depth == 3  # last_hidden: its own depth
+    assert train.get_args(["--host", "vla", "--suite", "libero_10", "--query", "frame"]).query == "frame"  # not slots
     assert [train.get_args(["--host", h] + x).steps for h in ("dit", "vla") for x in ([], ["--steps", "7"])] == [
         train.STEPS["dit"], 7, train.STEPS["vla"], 7]  # each host's default, or the flag
 
@@ -1403,7 +1404,7 @@ def test_host_config_defaults_are_what_train_py_trains():
     assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
                              image_size=128, pretrained=True, pos_code=False, d_model=train.LIBERO_HEAD["d_model"],
                              mem_heads=train.LIBERO_HEAD["mem_heads"], mem_dk=train.LIBERO_HEAD["mem_dim"],
-                             mem_dv=train.LIBERO_HEAD["mem_dim"])
+                             mem_dv=train.LIBERO_HEAD["mem_dim"], query=train.LIBERO_HEAD["query"])
     for suite in data.SUITES:  # each LIBERO suite its recipe; the embedded suite and MIKASA as they were
         a = train.get_args(["--suite", suite], run_folder=False)
         want = train.LIBERO.get(suite) or dict(steps=train.STEPS["dit"], batch=train.BATCH, window=train.WINDOW,

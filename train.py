@@ -46,7 +46,8 @@ WINDOW, BATCH = 16, 16  # frames per TBPTT window and streams elsewhere
 # steps: about 100-300 passes over a suite's frames (~60,000 in a 10-task suite, 150,000 or so in libero_10,
 # ~600,000 in libero_90). d_model 256: ten tasks' 500 demos ask more of the head than the embedded suite's 128.
 # 8 memory heads of 32: twice the embedded suite's, for the objects and stages a LIBERO task must keep track of.
-LIBERO_HEAD = dict(d_model=256, mem_heads=8, mem_dim=32)
+# query slots (vla): the paper's pi0.5 instantiation; a copy of the frame's 129 tokens would be the expert's prefix.
+LIBERO_HEAD = dict(d_model=256, mem_heads=8, mem_dim=32, query="slots")
 TEN_SHORT_TASKS = dict(steps=10000, batch=32, window=32, **LIBERO_HEAD)
 LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, libero_goal=TEN_SHORT_TASKS,
               libero_10=dict(steps=15000, batch=32, window=64, **LIBERO_HEAD),
@@ -78,9 +79,9 @@ def parser():
     p.add_argument("--memory", default="dram", choices=["dram", "none"], help="none: the memoryless baseline")
     p.add_argument("--write-source", choices=["native_kv", "hidden", "last_hidden"],
                    help=f"vla host: what the memory layers write (default: {HostConfig.write_source})")
-    p.add_argument("--query", choices=["slots", "frame"], help=f"vla host: the memory's query stream, "
-                   f"{HostConfig.query_slots} learned slots or a copy of the frame's last hidden tokens (default: "
-                   f"{HostConfig.query})")
+    p.add_argument("--query", choices=["frame", "slots"], help=f"vla host: the memory's query stream, a copy of the "
+                   f"frame's last hidden tokens or {HostConfig.query_slots} learned slots (default: "
+                   f"{HostConfig.query}; LIBERO {LIBERO_HEAD['query']})")
     p.add_argument("--suite", default="memory", choices=list(data.SUITES), help="task suite")
     p.add_argument("--data", default=data.DEFAULT_DATA_ROOT, help="data root: <data>/<suite>/*_demo.hdf5, only "
                    "read (the embedded suite is generated into the default root only)")
@@ -193,7 +194,7 @@ def get_args(argv=None, run_folder=True):
                 f"layer per backbone layer (--vla-layers)")
     lib, c = not (a.suite == data.MEMORY_SUITE or mikasa), HostConfig  # mikasa: the embedded suite's CPU recipe
     a.write_source, a.vla_layers = a.write_source or c.write_source, a.vla_layers or c.vla_layers
-    a.query = a.query or c.query
+    a.query = a.query or recipe.get("query", c.query)
     a.key_norm, a.kv_adapter = a.key_norm is not False, a.kv_adapter is not False
     a.write_centre, a.mixer = a.write_centre is not False, bool(a.mixer)
     a.mem_heads = a.mem_heads or recipe.get("mem_heads", c.mem_heads)
