@@ -7,9 +7,6 @@ tasks (the benchmark's simulator, a privileged scripted expert, generator).
   python data.py --suite memory --out DIR            # the same into DIR (train.py --data DIR only reads it)
   python data.py --suite mikasa                      # write ./data/mikasa/<task>_demo.hdf5 (MIKASA-Robo expert demos)
   python data.py --suite libero_10 --data-root DIR   # validate a LIBERO suite and print a summary
-
-Raw observations use LIBERO's demo `obs/` keys (as do the embedded env and eval.py's LIBERO wrapper): agentview_rgb,
-eye_in_hand_rgb uint8 [H,W,3] upside down (OpenGL), ee_states [6], gripper_states [2]; policy_frame() -> policy input.
 """
 import argparse
 import concurrent.futures
@@ -62,19 +59,16 @@ class Demo:
 
 
 def task_name(path):
-    """A demo file's task name: `<task name>_demo.hdf5` (LIBERO's create_dataset names its files by the task's .bddl
-    file, whose stem is the benchmark's task.name; the embedded suite by its data.MEMORY_TASKS key). Checkpoints store
-    each task's instruction under this name and eval.py asks for it by task name."""
+    """A demo file's task name, `<task name>_demo.hdf5` (LIBERO names its files by the task's .bddl stem, the embedded
+    suite by its MEMORY_TASKS key): checkpoints store each task's instruction under it and eval.py asks for it."""
     return Path(path).name.removesuffix("_demo.hdf5")
 
 
 def find_demo_files(data_root, suite, generate=None, tasks=None, **memory_kwargs):
-    """Sorted `<data_root>/<suite>/*_demo.hdf5`, or those of the task names `tasks` only (task_name). Missing
-    memory-suite or MIKASA files (of `tasks` only) are generated first (**memory_kwargs) if generate, by default only
-    into DEFAULT_DATA_ROOT: a folder the user names is only read. A task name the suite lacks, a missing file or LIBERO
-    folder is a DataError naming the command that writes or downloads it."""
-    if generate is None:
-        generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve()
+    """Sorted `<data_root>/<suite>/*_demo.hdf5` (of the task names `tasks` only). Missing memory / MIKASA files are
+    generated first (**memory_kwargs) if generate, by default into DEFAULT_DATA_ROOT only: a folder the user names is
+    only read. A missing task, file or LIBERO folder is a DataError naming the command that writes or downloads it."""
+    generate = Path(data_root).resolve() == Path(DEFAULT_DATA_ROOT).resolve() if generate is None else generate
     if suite == MEMORY_SUITE or suite in MIKASA_SUITES:  # LIBERO: checked against the folder's files below
         check_tasks(suite, tasks)
     if suite == MEMORY_SUITE:
@@ -109,8 +103,7 @@ def check_tasks(suite, tasks):
 
 @contextlib.contextmanager
 def _h5_errors(where):
-    """h5py's errors name no file (not HDF5: OSError; a corrupt compressed chunk: OSError 'filter returned failure
-    during read'; damaged metadata: RuntimeError 'Unable to get group info', KeyError): a DataError naming `where`."""
+    """h5py's errors name no file (OSError, RuntimeError, KeyError, ValueError on a non-HDF5 or damaged file)."""
     try:
         yield
     except DataError:
@@ -245,14 +238,12 @@ OUTLIER_SPANS = 100  # check_values: how many yardsticks a state value may lie f
 
 def check_values(demos):
     """Refuse finite but absurd values before they set the statistics (one action of 1e30 made its dimension's std
-    7e27), with a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>",
-    state [T,8], actions [T,Da])] of the whole suite. Rules no legitimate demo breaks:
-    - actions lie in [-1, 1]: LIBERO's OSC_POSE deltas and gripper command do (its create_dataset.py); the embedded
-      env clips to [-1, 1] and its expert stays inside.
-    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over the suite.
-      The quantiles drop the most extreme 1% of frames at each end, so a few corrupt frames cannot widen their own
-      yardstick; |m| and 1 keep it positive on constant dimensions (the embedded suite's zero ee_states[2:]). States
-      are metres, radians (|.| <= pi) and gripper widths: only gross errors (garbage, another unit) lie that far."""
+    7e27): a DataError naming file, demo, key, frame and dimension. demos: [(where "<file>: data/<demo>", state [T,8],
+    actions [T,Da])] of the whole suite. Rules no legitimate demo breaks:
+    - actions lie in [-1, 1]: LIBERO's OSC_POSE deltas and gripper command do; the embedded env clips to [-1, 1].
+    - a state value lies within OUTLIER_SPANS * max(q99 - q1, |m|, 1) of m, its dimension's median over the suite: the
+      1% quantiles keep a few corrupt frames from widening their own yardstick, |m| and 1 keep it positive on constant
+      dimensions. States are metres, radians and gripper widths: only gross errors (another unit) lie that far."""
     Da, s = demos[0][2].shape[1], np.concatenate([x for _, x, _ in demos]).astype(np.float64)  # s: [N, 8]
     m = np.median(s, 0)  # [8]
     lo, hi = np.quantile(s, 0.01, 0, method="higher"), np.quantile(s, 0.99, 0, method="lower")  # [8]
@@ -514,12 +505,10 @@ class Prefetch:
 
 
 # ---- Embedded memory suite: procedurally generated 2-D tasks that the current frame alone cannot solve -------------
-# The unit square seen from above. The agent (white disc) moves by SPEED * clip(action[:2]) per step; action[2] > 0
-# presses. Objects sit near the centres of a 4x4 grid (random cells + jitter), a 16-pixel ViT patch grid at 64 px.
-# agentview_rgb shows the table, eye_in_hand_rgb a 2x zoom on the agent; the state (ee_states = [x, y, 0, 0, 0, 0],
-# gripper_states = 0) never reveals counts, stages or cues. The expert goes straight to its goal at EXPERT_GAIN of
-# top speed, DART noise on the executed action; on pad tasks it goes on from the touch (TOUCH_R) to the target's
-# centre (REACH_R), so an imitating policy turns back well inside the touch radius rather than at its edge.
+# The unit square seen from above; objects near the centres of a GRID x GRID grid (random cells + jitter: a 16-pixel
+# ViT patch grid at 64 px). The state (ee_states = [x, y, 0, 0, 0, 0], gripper_states = 0) never reveals counts, stages
+# or cues. On pad tasks the expert goes on from the touch (TOUCH_R) to the target's centre (REACH_R), so an imitating
+# policy turns back well inside the touch radius rather than at its edge. Action: SPEED * [:2] moves, [2] > 0 presses.
 # MEMORYLESS_CEILING: the best success of a policy acting on the current observation alone (execution horizon 1;
 # an open-loop chunk of h steps is h steps of memory). Layouts never depend on the hidden variable.
 #  - cue_*: the cue shows in frames 0..CUE_STEPS-1 and the agent is frozen for FREEZE_STEPS, so its first touch (a
@@ -610,8 +599,7 @@ class MemoryEnv:
         if self.family == "cue":
             if self.t >= FREEZE_STEPS:  # frozen while the cue shows and during the delay after it
                 self.pos = np.clip(self.pos + SPEED * a[:2], AGENT_R, 1 - AGENT_R)
-            hit = self._touched()
-            if hit is not None:
+            if (hit := self._touched()) is not None:
                 end = "success" if hit == self.cue else "wrong_block"
         elif a[2] > 0 and np.linalg.norm(self.pos - self.home) < HOME_R:  # press the pad = finish
             end = "success" if self.count == self.p["n"] else "pad_press"
@@ -621,8 +609,7 @@ class MemoryEnv:
             if inside and not self.in_home:  # entering the pad: snap to its centre, re-arm the target
                 self.pos, self.armed, self.reached = self.home.copy(), True, False
             self.in_home = inside
-            hit = self._touched()
-            if hit == 0 and self.armed:
+            if (hit := self._touched()) == 0 and self.armed:
                 self.count, self.armed = self.count + 1, False
                 if self.count > self.p["n"]:
                     end = "over_count"  # cannot succeed any more
@@ -721,9 +708,8 @@ def _check_existing(path, want, options):
 def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size=None, seed=0, tasks=None,
                           overwrite=False, progress=True, write=True):
     """Write <data_root>/memory/<task>_demo.hdf5 (LIBERO layout), every demo an expert success. Existing files are
-    kept unless overwrite; None accepts what a file holds (else n_episodes = MEMORY_EPISODES, img_size = 64). A file
-    unlike what is asked or of another MEMORY_SUITE_VERSION, or with write=False a missing file, is a DataError
-    naming it and the command that (re)writes it."""
+    kept unless overwrite; None accepts what a file holds (else MEMORY_EPISODES, img_size 64). A file unlike what is
+    asked (_check_existing), or with write=False a missing one, is a DataError naming the command that writes it."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     if img_size is not None and img_size < 16:  # the colour cue's frame is img_size / 16 pixels wide
@@ -757,21 +743,17 @@ def generate_memory_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, img_size
 
 
 # ---- MIKASA-Robo: a published 3-D memory benchmark (ManiSkill3 VLA tasks), its canonical protocol ------------------
-# Each task's episode: the cue (1-5 steps), an empty table (1-5 steps), then every candidate reappears at shuffled
-# positions; success = the tool centre point within 5 cm of the target and the arm still. During the cue and the delay
-# the benchmark's wrapper executes zero actions. Observations: the base and hand cameras (128 px), proprio (tcp xyz,
-# rpy, gripper width), the instruction; oracle_info and task_cue are privileged (the expert's only).
-# Memoryless ceiling (CEILINGS): the candidates reappear at shuffled positions and the arm cannot move before they
-# do, so nothing a policy sees after the cue tells the target: a memoryless policy that commits to one candidate
-# succeeds with 1/K (K candidates), re-planning every step (an open-loop chunk started during the cue would carry it
-# over). Success at any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its
+# Episode: cue, empty table, then the K candidates reappear shuffled; success = the tool centre point within
+# 5 cm of the target and the arm still; the wrapper executes zero actions during the cue and the delay.
+# Memoryless ceiling (CEILINGS): nothing seen after the cue tells the target, so a memoryless policy that commits to one
+# candidate succeeds with 1/K, re-planning every step (an open-loop chunk started during the cue would carry it over).
+# Success at any step lets a policy that stops at several candidates in turn exceed 1/K; the expert, and so its
 # imitators, stop at one.
 MIKASA_START_SEED = 4242424242  # canonical: episode k of a task is env.reset(seed=MIKASA_START_SEED + k), k < 50
 MIKASA_EPISODES = 150  # successful demos per task, at env seeds 0, 1, ... (disjoint from the evaluation seeds)
-# Each demo layout (env seed) is shown with this many different targets. The env draws layout and target from one
-# seed, and the layout (cube jitter, the arm's initial pose in proprio) tells the episodes apart: with one target per
-# layout a policy learns layout -> target by heart instead of reading the cue, and fails on new layouts. Counter-
-# balanced, the frames before the cue cannot tell the target (as in the embedded suite, each layout with every cue).
+# Demo layouts (env seeds) are each shown with this many targets: with one per layout (the env draws both from one
+# seed) a policy learns layout -> target by heart (cube jitter and arm pose tell layouts apart) instead of reading the
+# cue and fails on new layouts; counterbalanced, the frames before the cue cannot tell the target.
 MIKASA_TARGETS_PER_LAYOUT = 3
 MIKASA_VERSION = 2  # bump when the demos, the expert or the observation mapping change (older files are refused)
 MIKASA_SUITES = {  # suite: {name: (ManiSkill env id, MIKASA memory type, candidates K)}
@@ -796,17 +778,6 @@ HOVER, LIFT, GAIN, MIKASA_NOISE = 0.025, 0.06, 1.0, 0.1  # expert: hover height 
 # height while far from it (m), proportional gain, DART noise on the executed translation (normalised units)
 
 
-def import_mikasa():
-    """(gymnasium, apply_mikasa_vla_wrappers) with the VLA ids registered; a missing package is a DataError."""
-    try:
-        import gymnasium
-        import mikasa_robo_suite.vla.memory_envs  # noqa: F401  (registers the *-VLA-v0 ids)
-        from mikasa_robo_suite.vla.utils.apply_wrappers import apply_mikasa_vla_wrappers
-    except Exception as e:
-        raise DataError(f"MIKASA-Robo could not be imported ({type(e).__name__}: {e}): {MIKASA_FIX}") from e
-    return gymnasium, apply_mikasa_vla_wrappers
-
-
 class MikasaEnv:
     """One MIKASA-Robo VLA task: ManiSkill3 on CPU physics and rendering, the canonical settings and wrapper stack.
     reset(seed) -> raw obs in LIBERO's demo layout; step(action [7]) -> (obs, success so far, done): an episode ends
@@ -814,7 +785,12 @@ class MikasaEnv:
     privileged scripted expert (reads the target's position; the policy never sees it)."""
 
     def __init__(self, task):
-        gym, wrap = import_mikasa()
+        try:
+            import gymnasium as gym
+            import mikasa_robo_suite.vla.memory_envs  # noqa: F401  (registers the *-VLA-v0 ids)
+            from mikasa_robo_suite.vla.utils.apply_wrappers import apply_mikasa_vla_wrappers as wrap
+        except Exception as e:
+            raise DataError(f"MIKASA-Robo could not be imported ({type(e).__name__}: {e}): {MIKASA_FIX}") from e
         self.task, (env_id, self.memory_type, _) = task, MIKASA_TASKS[task]
         try:
             env = gym.make(env_id, num_envs=1, obs_mode="rgb", control_mode="pd_ee_delta_pose",
@@ -920,9 +896,8 @@ def mikasa_attempt(task, k):
 
 def generate_mikasa_suite(data_root=DEFAULT_DATA_ROOT, n_episodes=None, tasks=None, overwrite=False, progress=True,
                           suite=MIKASA_SUITE):
-    """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task at env
-    seeds 0, 1, ..., each seed's layout with MIKASA_TARGETS_PER_LAYOUT different targets (failures are skipped and
-    counted: data.attrs expert_success). An existing file is kept, or refused as generate_memory_suite does."""
+    """Write <data_root>/<suite>/<task>_demo.hdf5 (LIBERO layout): n_episodes successful expert demos per task
+    (mikasa_attempt; failures skipped, counted: data.attrs expert_success); existing files as generate_memory_suite."""
     if n_episodes is not None and n_episodes < 1:
         raise DataError(f"--episodes must be >= 1, got {n_episodes}")
     sizes = "" if n_episodes is None else f" --episodes {n_episodes}"
@@ -976,8 +951,7 @@ def parser():
     ap.add_argument("--seed", type=int, default=0, help="memory suite: layout and noise seed (default: 0)")
     ap.add_argument("--tasks", nargs="+", choices=list(MIKASA_TASKS), help="mikasa suites: these tasks only "
                     "(default: all)")
-    ap.add_argument("--overwrite", action="store_true", help="memory / mikasa: regenerate existing files (default: "
-                    "off)")
+    ap.add_argument("--overwrite", action="store_true", help="memory, mikasa: regenerate existing files (default: off)")
     ap.add_argument("--synthetic", action="store_true", help="libero_10: write a full-size stand-in (random pixels, "
                     "50 demos per task; --episodes: fewer) to size a run on (default: off)")
     return ap
@@ -998,8 +972,7 @@ def main(argv=None):
         suite = []  # (where, state, actions) of every demo: check_values pools the suite
         for p in find_demo_files(args.root, args.suite, generate=False):  # validates every demo, pixels included
             instr, demos = iter_demo_file(p)
-            demos = [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos]
-            suite += demos
+            suite += (demos := [(f"{p}: data/{d.name}", d.state, d.actions) for d in demos])
             lens = [len(a) for _, _, a in demos]
             ceiling = CEILINGS.get(args.suite, {}).get(task_name(p))
             print(f"{p.name}: {len(lens)} demos, T {min(lens)}-{max(lens)}, '{instr}'"

@@ -10,13 +10,11 @@ ablation (fig:reset).
   python eval.py --suite libero_10 --tasks 0 --trials 1 --max-steps 20        # simulator smoke test, zero policy
 
 Deployment (Sec. 3.4): the memory resets at every episode start; each observation is one policy.act call = one memory
-read-write transition. A policy provides reset(rows, new_episode, rngs) (bool [n] each; rngs {row: numpy Generator}
-of the episodes starting, their randomness), act(observations, instructions) -> actions [n, Da] and .instructions
-({task name: instruction} it was trained with, None: it reads none); an environment reset(trial) -> obs,
-step(action) -> (obs, success, done, info), .max_steps, close(). Observations carry the keys of LIBERO's demo HDF5
-`obs/` group (images upside down). A task's instruction is the one training read from its demo file, asked for by
-the task's name: LIBERO's task.language, derived from the file name, differs for some tasks from the .bddl
-instruction its demos carry.
+read-write transition. A policy: reset(rows, new_episode, rngs) (bool [n] each; rngs {row: numpy Generator} of the
+starting episodes), act(observations, instructions) -> actions [n, Da], .instructions ({task name: instruction} it was
+trained with; None: it reads none). An env: reset(trial) -> obs, step(action) -> (obs, success, done, info),
+.max_steps, close(). Observations carry LIBERO's demo HDF5 `obs/` keys (images upside down). Instructions are asked
+for by task name as training read them from the demo files (LIBERO's task.language differs for some from the .bddl's).
 """
 import argparse
 import collections
@@ -86,10 +84,8 @@ def import_libero():
 def suite_tasks(suite, ids=None, trials=1):
     """[(task_id, task name)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k. The name is
     what data.task_name gives the task's demo file."""
-    if suite == data.MEMORY_SUITE:
-        named = list(data.MEMORY_TASKS)
-    elif suite in data.MIKASA_SUITES:
-        named = list(data.MIKASA_SUITES[suite])
+    if suite in (embedded := {data.MEMORY_SUITE: data.MEMORY_TASKS, **data.MIKASA_SUITES}):
+        named = list(embedded[suite])
     else:
         bench = import_libero()[0].get_benchmark_dict()[suite]()
         named = [bench.get_task(t).name for t in range(bench.get_num_tasks())]
@@ -173,11 +169,10 @@ class MemorySuiteEnv:
         return obs, success, done, dict(outcome=self.env.outcome, touches=touches)
 
     def hidden(self):
-        """What the policy must remember at the current frame, for --trace only (never an observation). cue_colour:
-        the cue; cue_location: the cued block's index among the layout's blocks, whose table xy `blocks` also names
-        (the order is arbitrary across layouts, so the probe reads the cued block's xy); pad tasks: the presses so far
-        and the leg (out: for the target, back: for the pad). since: frames since it was last set (the cue's last
-        frame, the last press or the episode's start)."""
+        """--trace only (never an observation): what the policy must remember now. Cue tasks: the cue (cue_location:
+        the cued block's index, and every block's xy in `blocks`: their order is arbitrary, the probe reads the cued
+        one's xy); pad tasks: the presses so far and the leg (out: to the target, back: to the pad). since: frames since
+        it was last set (the cue's last frame, the last press or the episode's start)."""
         e = self.env
         if e.family == "cue":
             blocks = {} if e.p["cue"] == "colour" else dict(blocks=e.objs.tolist())  # [n_obj, 2]
@@ -189,11 +184,10 @@ class MemorySuiteEnv:
 
 
 class MikasaSuiteEnv:
-    """data.MikasaEnv by MIKASA-Robo's canonical protocol: trial k is env seed MIKASA_START_SEED + k, whatever --seed
-    (which seeds the policy's noise only). demo_layouts (a check of fit, not the protocol): trial k replays the
-    expert's k-th demo attempt instead, its env seed and target (data.mikasa_attempt). The step info says how a
-    failed episode ended, from the tool's last position: near_target (within 8 cm of the target, but never within 5 cm
-    and still), wrong_candidate (within 5 cm of another candidate) or elsewhere."""
+    """data.MikasaEnv by MIKASA-Robo's canonical protocol: trial k is env seed MIKASA_START_SEED + k (--seed seeds the
+    policy's noise only); demo_layouts (a check of fit): the expert's k-th demo attempt instead (data.mikasa_attempt).
+    A failed episode's outcome, from the tool's last position: near_target (within 8 cm of the target, never within
+    5 cm and still), wrong_candidate (within 5 cm of another candidate) or elsewhere."""
 
     def __init__(self, task_id, suite=data.MIKASA_SUITE, seed=None, image_size=128, demo_layouts=False):
         if image_size != 128:
@@ -288,20 +282,16 @@ class EnvSlots:
             self.slots = [Slot(make_env) for _ in range(n)]
 
     def call(self, cmd, args):
-        """cmd "reset", args {slot: (task_id, trial)} -> {slot: (obs, max_steps)};
-        cmd "step", args {slot: action [Da]} -> {slot: (obs, success, done, info)};
-        cmd "hidden", args {slot: None} -> {slot: the env's hidden variable (--trace)}."""
+        """{slot: arg} -> {slot: reply}: "reset" (task_id, trial) -> (obs, max_steps); "step" action [Da] -> (obs,
+        success, done, info); "hidden" None -> the env's hidden variable (--trace)."""
         if not self.processes:
             return {i: getattr(self.slots[i], cmd)(a) for i, a in args.items()}
         for i, a in args.items():
             self.conns[i].send((cmd, a))
-        out = {}
-        for i in args:
-            status, payload = self.conns[i].recv()
-            if status != "ok":
-                raise RuntimeError(f"environment worker {i} failed:\n{payload}")
-            out[i] = payload
-        return out
+        replies = {i: self.conns[i].recv() for i in args}  # {slot: (status, payload)}, every pipe drained
+        if bad := [i for i, (status, _) in replies.items() if status != "ok"]:
+            raise RuntimeError(f"environment worker {bad[0]} failed:\n{replies[bad[0]][1]}")
+        return {i: payload for i, (_, payload) in replies.items()}
 
     def close(self):
         if not self.processes:
@@ -316,12 +306,10 @@ class EnvSlots:
 
 # ---- The rollout loop ------------------------------------------------------------------------------------------------
 def run_episodes(slots, policy, episodes, instructions, reset_every=0, seed=0, tracer=None):
-    """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step with the instructions
-    {task_id: instruction} (task_instructions); yields each episode's record as it ends (with tracer, a Tracer of
-    `policy`: its trace under the key "trace"). Row i of the policy batch is slot i: an idle slot re-feeds its last
-    observation (actions discarded).
-    Episode (task_id, trial) draws its policy noise from its own generator [seed, task_id, trial, 1] (the embedded
-    suite's layout: [seed, task_id, trial]), whatever runs before it, beside it or in another process."""
+    """Run `episodes` [(task_id, trial)] on `slots`, one batched policy.act per step with {task_id: instruction};
+    yield each episode's record as it ends (with tracer: its trace under "trace"). Row i of the batch is slot i: an
+    idle slot re-feeds its last observation (action discarded). Episode (task_id, trial) draws its policy noise from
+    its own generator [seed, task_id, trial, 1], whatever runs before it, beside it or in another process."""
     queue = list(episodes)
     n = min(slots.n, len(queue))
     ep = [None] * n  # (task_id, trial) running in slot i, None when idle
@@ -444,10 +432,9 @@ PROBED = ("cue", "presses", "target")  # the hidden variable the probe predicts,
 
 
 class Tracer:
-    """Reads the memory layers' taps (dram.DRAMLayer.tap) after each policy.act: per row, layer and head, the write
-    strength (beta and w = beta / (1 - beta), means over the frame's write tokens), the retention gamma, ||S_t||
-    (Frobenius, after the write), ||R_t|| (mean over query tokens of a token's readout norm) and the fuse gate (mean
-    over query tokens and the head's dv gates); S_t itself for the probe. The policy must act eagerly."""
+    """Reads the memory layers' taps (dram.DRAMLayer.tap) after each eager policy.act, per row, layer and head: beta
+    and w = beta / (1 - beta) (means over write tokens), gamma, ||S_t|| (Frobenius, after the write), ||R_t|| and the
+    fuse gate (means over query tokens, and over the head's dv gates); S_t itself for the probe."""
 
     def __init__(self, policy):
         memory = policy.host.memory
@@ -455,18 +442,16 @@ class Tracer:
         for layer in self.layers:
             layer.tap = {}
 
-    @staticmethod
-    def head_means(tap):
-        """One layer's tap of a control step (T = 1) -> {name: [n, H]}."""
-        H = tap["gamma"].shape[-1]
-        R = tap["R"][:, 0].unflatten(-1, (H, -1))  # [n, M, H, dv]
-        return dict(beta=tap["beta"][:, 0].mean(-2), w=tap["w"][:, 0].mean(-1), gamma=tap["gamma"][:, 0],
-                    S_norm=tap["states"][:, :, -1].flatten(-2).norm(dim=-1), R_norm=R.norm(dim=-1).mean(1),
-                    fuse_gate=tap["fuse_gate"][:, 0].unflatten(-1, (H, -1)).mean((1, 3)))  # [n, M, H, dv] -> [n, H]
-
     def frame(self, hidden):
         """hidden {row: the env's hidden variable} of the rows running an episode."""
-        stats = [{k: v.float().cpu().numpy() for k, v in self.head_means(layer.tap).items()} for layer in self.layers]
+        stats = []  # per layer {name: [n, H]}, from its tap of this control step (T = 1)
+        for tap in (layer.tap for layer in self.layers):
+            H = tap["gamma"].shape[-1]
+            R = tap["R"][:, 0].unflatten(-1, (H, -1))  # [n, M, H, dv]
+            stat = dict(beta=tap["beta"][:, 0].mean(-2), w=tap["w"][:, 0].mean(-1), gamma=tap["gamma"][:, 0],
+                        S_norm=tap["states"][:, :, -1].flatten(-2).norm(dim=-1), R_norm=R.norm(dim=-1).mean(1),
+                        fuse_gate=tap["fuse_gate"][:, 0].unflatten(-1, (H, -1)).mean((1, 3)))  # [n, M, H, dv] -> [n, H]
+            stats.append({k: v.float().cpu().numpy() for k, v in stat.items()})
         S = self.policy.state.flatten(1).cpu().numpy().astype(np.float16)  # [n, L H dk dv] S_t of every layer
         for i, h in hidden.items():
             self.rows.setdefault(i, []).append((h, [{k: s[k][i] for k in TRACED} for s in stats], S[i]))
@@ -480,22 +465,19 @@ class Tracer:
 
 
 def ridge_predict(X, Y, Xt, lam):
-    """Closed-form ridge regression, dual form (frames < state entries): X [n, F] standardised, Y [n, K] targets,
-    Xt [m, F] -> predictions [m, K] of the centred targets Y - mean(Y). lam is per feature: the penalty is
-    lam F ||W||^2."""
+    """Closed-form ridge in dual form (frames < state entries): X [n, F] standardised, Y [n, K], Xt [m, F] ->
+    predictions [m, K] of Y - mean(Y); the penalty is lam F ||W||^2 (lam per feature)."""
     K = (X @ X.T).double()  # [n, n]
     A = torch.linalg.solve(K + lam * X.shape[1] * torch.eye(len(X), dtype=K.dtype), Y - Y.mean(0))  # [n, K]
     return Xt.double() @ (X.T.double() @ A)  # [m, K]
 
 
 def probe(train, test, seed=0, lams=(1e-3, 1e-2, 1e-1, 1.0)):
-    """Linear probe of the hidden variable from S_t. train / test: [(states [T, F], labels [T] ids, since [T])] per
-    episode, or [(..., points [T, C, 2])] when a label indexes points whose order is arbitrary (cue_location's
-    blocks). Labels: ridge on one-hot targets, the answer the largest output; points: ridge on the labelled point's
-    xy, the answer the point nearest the prediction. lam by 2-fold cross-validation over the training episodes. ->
-    {since: (test frames, correct, correct of the probe fit on shuffled targets, chance)}, chance: the frames of the
-    most frequent label, or for points the frames the training mean xy names. The shuffled control permutes the
-    targets among the training frames with the same `since`: what a state that holds nothing about them reaches."""
+    """Linear probe of the hidden variable from S_t. train / test: per episode (states [T, F], labels [T], since [T]
+    [, points [T, C, 2] when a label indexes points of arbitrary order: cue_location's blocks]). Ridge (lam by 2-fold
+    CV over training episodes) on one-hot labels, the answer the largest output, or on the labelled point's xy, the
+    answer the nearest point. -> {since: (test frames, correct, correct when fit on targets shuffled among training
+    frames of equal `since` (what a state holding nothing reaches), chance: most frequent label / training mean xy)}."""
     cat = lambda eps, j: torch.as_tensor(np.concatenate([e[j] for e in eps]))  # noqa: E731
     X, y, since = cat(train, 0).float(), cat(train, 1), cat(train, 2)  # [n, F], [n], [n]
     mu, sd = X.mean(0), X.std(0) + 1e-6  # the training half's statistics only
@@ -544,30 +526,26 @@ def probe_traces(traces, trials):
         rows = {k: (tr["states"], np.array([label(v) for v in tr["hidden"][key]]), np.array(tr["hidden"]["since"]),
                     *([np.array(tr["hidden"]["blocks"])] if points else [])) for k, tr in eps.items()}  # [T, C, 2]
         train, test = [r for k, r in rows.items() if k < split], [r for k, r in rows.items() if k >= split]
-        out[task] = dict(variable=f"{key} (block xy)" if points else key, classes=len(classes),
-                         bins=probe(train, test))
+        out[task] = dict(variable=f"{key} (block xy)" if points else key, classes=len(classes), bins=probe(train, test))
     return out
 
 
 def probe_table(probes, bin_width=5):
-    """-> markdown: per task, accuracy by frames since the variable was set (bins of bin_width), the shuffled-label
-    control and chance (the most frequent label's share of those test frames; for points, the share where the training
-    mean xy names the right one); and over the frames after it."""
+    """-> markdown: per task, probe accuracy by frames since the variable was set (bins of bin_width), the shuffled-
+    label control and chance (as probe counts them), and over all frames after it."""
     pct = lambda a, b: f"{100 * a / max(b, 1):.1f}"  # noqa: E731
     lines = ["| task | variable | frames since set | test frames | probe % | shuffled-label probe % | chance % |",
              "|---" * 7 + "|"]
     for task, p in probes.items():
-        bins = {}
+        bins = collections.defaultdict(lambda: np.zeros(4, np.int64))
         for s, counts in sorted(p["bins"].items()):
-            b = bins.setdefault(s // bin_width if s >= 0 else -1, np.zeros(4, np.int64))
-            b += counts
-        for b, (n, ok, ok_shuffled, chance) in bins.items():
-            span = "< 0" if b < 0 else f"{b * bin_width}-{b * bin_width + bin_width - 1}"
-            lines.append(f"| {task} | {p['variable']} | {span} | {n} | {pct(ok, n)} | {pct(ok_shuffled, n)} | "
-                         f"{pct(chance, n)} |")
-        n, ok, ok_shuffled, chance = np.sum([c for s, c in p["bins"].items() if s > 0], 0)
-        lines.append(f"| {task} | {p['variable']} | **all > 0** | {n} | **{pct(ok, n)}** | {pct(ok_shuffled, n)} | "
-                     f"**{pct(chance, n)}** |")
+            bins[s // bin_width if s >= 0 else -1] += counts
+        rows = {("< 0" if b < 0 else f"{b * bin_width}-{b * bin_width + bin_width - 1}"): c for b, c in bins.items()}
+        rows["**all > 0**"] = np.sum([c for s, c in p["bins"].items() if s > 0], 0)
+        for span, (n, ok, ok_shuffled, chance) in rows.items():
+            b = "**" if span.startswith("**") else ""  # the summary row: probe and chance in bold
+            lines.append(f"| {task} | {p['variable']} | {span} | {n} | {b}{pct(ok, n)}{b} | {pct(ok_shuffled, n)} | "
+                         f"{b}{pct(chance, n)}{b} |")
     return "\n".join(lines)
 
 
@@ -612,13 +590,6 @@ def plot_trace(path, probes, traces, title, reset_every=0):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
-
-
-def write_trace_report(out, probes, traces, title, reset_every):
-    Path(out, "probe.md").write_text(probe_table(probes) + "\n")
-    Path(out, "probe.json").write_text(json.dumps(probes, indent=1))
-    drawn = plot_trace(Path(out, "probe.png"), probes, traces, title, reset_every)
-    print(f"wrote {out}/trace.jsonl, probe.md, probe.json" + (", probe.png" if drawn else ""))
 
 
 # ---- Speed: the control step as CUDA graphs (GPU only; a test shows it acts as the eager policy) ---------------------
@@ -676,12 +647,9 @@ class GraphedControlStep:
 
 
 # ---- Evaluation: a resumable JSONL episode log per policy, summaries, results.md and summary.json --------------------
-LOG_KEYS = ("task_id", "trial", "success")  # what resuming and the summary read from every record
-
-
 def load_log(path):
     """Episode records of a JSONL log; a bad line is an error naming file and line."""
-    records = []
+    keys, records = ("task_id", "trial", "success"), []  # keys: what resuming and the summary read from every record
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             try:
@@ -689,9 +657,9 @@ def load_log(path):
             except json.JSONDecodeError as e:
                 raise data.DataError(f"{path}:{lineno} is not valid JSON ({e}); an interrupted write leaves a cut "
                                      f"last line: delete it and re-run to resume") from e
-            if not isinstance(r, dict) or not all(k in r for k in LOG_KEYS):
+            if not isinstance(r, dict) or not all(k in r for k in keys):
                 raise data.DataError(f"{path}:{lineno} is not an episode record of eval.py (keys "
-                                     f"{', '.join(LOG_KEYS)}); pass another --out")
+                                     f"{', '.join(keys)}); pass another --out")
             records.append(r)
     return records
 
@@ -706,16 +674,16 @@ def summarize(records, tasks):
         fails = [r for r in eps if not r["success"] and "outcome" in r]
         failures = collections.Counter(r["outcome"] for r in fails)
         failures["untouched"] = sum(r.get("touches") == 0 for r in fails)
-        rows.append(dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok,
-                         success=n_ok / len(eps) if eps else None, failures={k: v for k, v in failures.items() if v}))
-    rates = [r["success"] for r in rows if r["success"] is not None]
-    return dict(tasks=rows, mean=float(np.mean(rates)) if rates else None, episodes=sum(r["episodes"] for r in rows))
+        rows.append(dict(task_id=task_id, task=name, episodes=len(eps), successes=n_ok, success=n_ok / len(eps),
+                         failures={k: v for k, v in failures.items() if v}))
+    rates = [r["success"] for r in rows]
+    return dict(tasks=rows, mean=float(np.mean(rates)), episodes=sum(r["episodes"] for r in rows))
 
 
 def results_table(suite, summaries):
     """{policy: summarize(...)} -> markdown: what the numbers are, success % per task and policy (and the mean over
     tasks), beside the memoryless ceiling on the embedded suite; then how the failed episodes ended."""
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
     row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     tasks = [r["task"] for r in next(iter(summaries.values()))["tasks"]]
     columns = {name: [r["success"] for r in s["tasks"]] + [s["mean"]] for name, s in summaries.items()}
@@ -728,11 +696,9 @@ def results_table(suite, summaries):
              row(["task", *columns]), "|---" * (1 + len(columns)) + "|"]
     lines += [row([task] + [pct(c[j]) for c in columns.values()]) for j, task in enumerate(tasks + ["mean"])]
     if suite in data.MIKASA_SUITES:  # MIKASA reports the mean per memory type too
-        types = sorted({data.MIKASA_TASKS[t][1] for t in tasks})
-        for m in types:
+        for m in sorted({data.MIKASA_TASKS[t][1] for t in tasks}):
             js = [j for j, t in enumerate(tasks) if data.MIKASA_TASKS[t][1] == m]
-            mean = lambda c: None if any(c[j] is None for j in js) else float(np.mean([c[j] for j in js]))  # noqa
-            lines.append(row([f"memory type: {m}"] + [pct(mean(c)) for c in columns.values()]))
+            lines.append(row([f"memory type: {m}"] + [pct(np.mean([c[j] for j in js])) for c in columns.values()]))
     fails = [row([r["task"], name, ", ".join(f"{k} {v}" for k, v in r["failures"].items())])
              for name, s in summaries.items() for r in s["tasks"] if r["failures"]]
     if fails:
@@ -747,11 +713,10 @@ def write_results(out, suite, summaries, settings):
 
 
 def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_every=0, trace=False):
-    """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, logging each as it ends; -> their
-    summary. settings (stored in every record) must match the log's: a table never mixes experiments. instructions:
-    {task_id: instruction} (task_instructions). trace: also out/trace.jsonl (per episode and frame: the memory's gates
-    and norms, the env's hidden variable), the probe of that variable from S_t (probe.md, probe.json) and probe.png;
-    every episode runs anew."""
+    """Run the episodes of `tasks` x range(trials) missing from out/episodes.jsonl, logging each as it ends -> their
+    summary. settings (in every record) must match the log's: a table never mixes experiments. trace: also
+    out/trace.jsonl (per episode and frame: the memory's gates and norms, the env's hidden variable) and the probe of
+    that variable from S_t (probe.md, probe.json, probe.png); every episode runs anew."""
     log_path = os.path.join(out, "episodes.jsonl")
     if trace and os.path.exists(log_path):
         raise hosts.ConfigError(f"--trace: {log_path} holds episodes whose memory states were not kept; pass a fresh "
@@ -783,21 +748,22 @@ def evaluate(tasks, trials, policy, slots, out, settings, instructions, reset_ev
     if trace:  # in the order of `tasks`
         traces = {k: traces[k] for k in sorted(traces, key=lambda k: ([n for _, n in tasks].index(k[0]), k[1]))}
         kept = f"memory reset every {reset_every} frames" if reset_every else "memory kept for the whole episode"
-        write_trace_report(out, probe_traces(traces, trials), traces, f"{os.path.relpath(settings['policy'])}, {kept}",
+        probes = probe_traces(traces, trials)
+        Path(out, "probe.md").write_text(probe_table(probes) + "\n")
+        Path(out, "probe.json").write_text(json.dumps(probes, indent=1))
+        drawn = plot_trace(Path(out, "probe.png"), probes, traces, f"{os.path.relpath(settings['policy'])}, {kept}",
                            reset_every)
-    # the episodes asked for: the log may hold more trials of an earlier, longer run
-    return summarize([r for r in logged if r["trial"] < trials], tasks)
+        print(f"wrote {out}/trace.jsonl, probe.md, probe.json" + (", probe.png" if drawn else ""))
+    return summarize([r for r in logged if r["trial"] < trials], tasks)  # the log may hold trials of a longer run
 
 
 def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, replan=None, reset_every=0,
                          num_envs=1, max_steps=None, device="cpu", cuda_graphs=True, out=None, trace=False,
                          demo_layouts=False):
-    """Each checkpoint of the list `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` -> {checkpoint:
-    summary}. Each logs to its own folder: `out` for one, out/<i>_<ckpt dir> for several (the side-by-side table
-    then goes to `out`), by default <ckpt dir>/eval_<suite>[_demos]_L<reset_every>[_best: for best.pt, any file but
-    ckpt.pt its stem] (trace_... with trace). The parameters are eval.py's flags; suite None: the one the checkpoints
-    were trained on (get_args: no --suite needs a --ckpt); tracing runs the control step eagerly (a graph replay fills
-    no tap)."""
+    """Each checkpoint in `ckpt` (none: the zero policy) on `tasks` x range(trials) of `suite` (None: the checkpoints')
+    -> {checkpoint: summary}; the parameters are eval.py's flags. Each logs to its own folder: `out` for one,
+    out/<i>_<ckpt dir> for several (the side-by-side table goes to `out`), by default the one --out's help names.
+    Tracing runs the control step eagerly (a graph replay fills no tap)."""
     policies = {}
     for ck in ckpt or []:  # every file is checked before the first episode; the suite: --suite, or the first file's
         policies[str(ck)] = CheckpointPolicy(ck, device, replan, cuda_graphs and not trace, suite)
@@ -823,14 +789,13 @@ def evaluate_checkpoints(ckpt=None, suite=None, trials=50, tasks=None, seed=7, r
                  else out if len(policies) < 2 else os.path.join(out, f"{i}_{os.path.basename(ck_dir)}"))
         settings = dict(common, policy=os.path.abspath(name) if policies else name, checkpoint_sha1=policy.sha1)
         if suite == data.MEMORY_SUITE:  # cheap 2-D envs, stepped in this process
-            env, n, processes = MemorySuiteEnv, max(num_envs, 16), False
+            env, n = MemorySuiteEnv, max(num_envs, 16)
         elif suite in data.MIKASA_SUITES:
-            env = functools.partial(MikasaSuiteEnv, suite=suite, demo_layouts=demo_layouts)
-            n, processes = num_envs, num_envs > 1
+            env, n = functools.partial(MikasaSuiteEnv, suite=suite, demo_layouts=demo_layouts), num_envs
         else:
-            env, n, processes = functools.partial(LiberoEnv, suite=suite, max_steps=max_steps), num_envs, num_envs > 1
-        # rendered as the policy's training frames were
-        slots = EnvSlots(functools.partial(env, seed=seed, image_size=policy.frame_size[0]), n, processes)
+            env, n = functools.partial(LiberoEnv, suite=suite, max_steps=max_steps), num_envs
+        slots = EnvSlots(functools.partial(env, seed=seed, image_size=policy.frame_size[0]),  # as its training frames
+                         n, processes=suite != data.MEMORY_SUITE and n > 1)
         try:
             summaries[name] = evaluate(task_list, trials, policy, slots, where, settings, instructions[name],
                                        reset_every, trace)
@@ -865,17 +830,14 @@ def parser():
     p.add_argument("--device", default="cpu", help="(default: %(default)s)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, run the control "
                    "step eagerly instead of replaying CUDA graphs (default: graphs on)")
-    p.add_argument("--out", help="output folder for episodes.jsonl (a re-run resumes it), results.md, summary.json "
-                   "(default: <ckpt dir>/eval_<suite>_L<reset-every>, with --trace trace_..., with --demo-layouts "
-                   "eval_<suite>_demos_..., for a file but ckpt.pt ..._<its stem>: eval_memory_L0_best)")
-    p.add_argument("--demo-layouts", action="store_true", help="a check of fit, not the benchmark: the training "
-                   "demos' layouts instead of unseen ones, MIKASA suites only: trial k replays the expert's k-th demo "
-                   "attempt, its env seed and target (on the embedded suite --seed 0 gives the demos' layouts) "
-                   "(default: off)")
+    p.add_argument("--out", help="folder for episodes.jsonl (a re-run resumes it), results.md, summary.json (default: "
+                   "<ckpt dir>/eval_<suite>[_demos]_L<reset-every>[_<stem>: a file but ckpt.pt]; --trace: trace_...)")
+    p.add_argument("--demo-layouts", action="store_true", help="MIKASA suites: trial k replays the expert's k-th "
+                   "demo attempt (env seed and target): a check of fit, not the benchmark (embedded suite: --seed 0 "
+                   "gives the demos' layouts) (default: off)")
     p.add_argument("--trace", action="store_true", help="also write, per episode and frame, each memory layer's and "
-                   "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of that "
-                   "variable from S_t (probe.md) and probe.png, to a fresh --out; the policy acts as without "
-                   "(default: off)")
+                   "head's gates and norms and the env's hidden variable (trace.jsonl), a linear probe of it from S_t "
+                   "(probe.md, probe.png), to a fresh --out; the policy acts as without (default: off)")
     return p
 
 
