@@ -84,8 +84,10 @@ def import_libero():
 def suite_tasks(suite, ids=None, trials=1):
     """[(task_id, task name)] of `suite` for `ids` (None: all); LIBERO trial k needs initial state k. The name is
     what data.task_name gives the task's demo file."""
-    if suite in (embedded := {data.MEMORY_SUITE: data.MEMORY_TASKS, **data.MIKASA_SUITES}):
-        named = list(embedded[suite])
+    if suite == data.MEMORY_SUITE:
+        named = list(data.MEMORY_TASKS)
+    elif suite in data.MIKASA_SUITES:
+        named = list(data.MIKASA_SUITES[suite])
     else:
         bench = import_libero()[0].get_benchmark_dict()[suite]()
         named = [bench.get_task(t).name for t in range(bench.get_num_tasks())]
