@@ -42,7 +42,8 @@ class ConfigError(ValueError):
 class HostConfig:
     """A host's architecture. The defaults are train.py's on the embedded suite, the single source of both:
     make_host(name, HostConfig(vocab=..., action_dim=...)) builds the host `name` that train.py trains there, except
-    that train.py gives the dit host one memory layer (train.DIT_MEMORY_DEPTH)."""
+    that train.py gives the dit host one memory layer (train.DIT_MEMORY_DEPTH) and the vla host 8 memory heads of 16
+    (train.VLA_MEMORY)."""
     host: str = "dit"  # dit | vla
     memory: str = "dram"  # dram | none (the matched memoryless baseline)
     vision: str = "vit_tiny_patch16_224"  # timm model name of the frozen tower

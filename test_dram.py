@@ -1394,12 +1394,15 @@ def test_train_arguments_are_checked_before_anything_runs(argv, flag, capsys, tm
 
 
 def test_host_config_defaults_are_what_train_py_trains():
-    """HostConfig's defaults are the hosts README's `python train.py [--host vla]` trains (dit: but its memory depth),
-    so make_host(name, HostConfig(...)) builds them; a LIBERO run differs only in its suite settings."""
-    for host in ("dit", "vla"):
+    """HostConfig's defaults are the hosts README's `python train.py [--host vla]` trains (dit: but its memory depth;
+    vla: but its memory heads), so make_host(name, HostConfig(...)) builds them; a LIBERO run differs only in its suite
+    settings."""
+    h, d = train.VLA_MEMORY["mem_heads"], train.VLA_MEMORY["mem_dim"]
+    for host, own in (("dit", dict(mem_depth=train.DIT_MEMORY_DEPTH)), ("vla", dict(mem_heads=h, mem_dk=d, mem_dv=d))):
         cfg = train.host_config(train.get_args(["--host", host], run_folder=False), ("x",), 7)
-        assert cfg == HostConfig(host=host, vocab=("x",), action_dim=7,
-                                 mem_depth=train.DIT_MEMORY_DEPTH if host == "dit" else HostConfig.mem_depth)
+        assert cfg == HostConfig(host=host, vocab=("x",), action_dim=7, **own)
+    vla_mikasa = train.get_args(["--host", "vla", "--suite", "mikasa"], run_folder=False)  # the embedded suite's only
+    assert (vla_mikasa.mem_heads, vla_mikasa.mem_dim) == (HostConfig.mem_heads, HostConfig.mem_dk)
     lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
     assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",
                              image_size=128, pretrained=True, pos_code=False, d_model=train.LIBERO_HEAD["d_model"],
