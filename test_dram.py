@@ -1401,7 +1401,7 @@ def test_host_config_defaults_are_what_train_py_trains():
     for host, own in (("dit", dict(mem_depth=train.DIT_MEMORY_DEPTH)), ("vla", dict(mem_heads=h, mem_dk=d, mem_dv=d))):
         cfg = train.host_config(train.get_args(["--host", host], run_folder=False), ("x",), 7)
         assert cfg == HostConfig(host=host, vocab=("x",), action_dim=7, **own)
-    vla_mikasa = train.get_args(["--host", "vla", "--suite", "mikasa"], run_folder=False)  # VLA_MEMORY: embedded suite only
+    vla_mikasa = train.get_args(["--host", "vla", "--suite", "mikasa"], run_folder=False)  # VLA_MEMORY: embedded only
     assert (vla_mikasa.mem_heads, vla_mikasa.mem_dim) == (HostConfig.mem_heads, HostConfig.mem_dk)
     lib = train.host_config(train.get_args(["--suite", "libero_10"], run_folder=False), ("x",), 7)
     assert lib == HostConfig(vocab=("x",), action_dim=7, chunk=train.LIBERO_CHUNK, vision="vit_small_patch16_224.dino",

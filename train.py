@@ -55,7 +55,7 @@ LIBERO = dict(libero_spatial=TEN_SHORT_TASKS, libero_object=TEN_SHORT_TASKS, lib
 MEM_LR_MULT = dict(dit=2.0, vla=2.5)
 # The vla host on the embedded suite: 8 memory heads of 16, the 128 key dimensions of HostConfig's 4 of 32 split
 # twice as finely. Each head's write gates choose on their own which of a frame's 33 tokens to store: with 4 heads of
-# 32 seed 2's state never holds the cued block (cue_location 44 %); with 8 of 16 it does (84 %), and 8 of 32 lose seed 0.
+# 32 seed 2's state never holds the cued block (cue_location 44 %); with 8 of 16 it does (84 %); 8 of 32 lose seed 0.
 VLA_MEMORY = dict(mem_heads=8, mem_dim=16)
 # Checkpoint selection (embedded suite): a run's late checkpoints differ by 10-30 points on a task while its loss still
 # falls, so the run rolls out its checkpoints at these fractions of --steps on layouts of their own (no evaluation's:
